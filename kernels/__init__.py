@@ -1,0 +1,9 @@
+"""Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and
+`ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature).
+
+This package knows nothing of DETR."""
+
+from .grid_sample import grid_sample
+from .ms_deform_attn import BACKENDS, ms_deform_attn
+
+__all__ = ["BACKENDS", "grid_sample", "ms_deform_attn"]

@@ -1,0 +1,37 @@
+import mlx.core as mx
+import numpy as np
+import pytest
+
+DTYPES = {"float32": (mx.float32, np.float32), "float64": (mx.float64, np.float64)}
+# float32 agreement with PyTorch: outputs to ~1e-6, gradients accumulate more rounding.
+TOLERANCE = {"float32": dict(rtol=1e-4, atol=1e-4), "float64": dict(rtol=1e-10, atol=1e-10)}
+
+
+def to_mx(array, dtype=mx.float64):
+    return mx.array(np.asarray(array), dtype=dtype)
+
+
+def to_np(array: mx.array) -> np.ndarray:
+    return np.array(array.astype(mx.float64) if array.dtype in (mx.float16, mx.bfloat16) else array)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def directional_check(f, args, argnum, rng, eps=1e-6, directions=3):
+    """Compare the gradient of scalar f w.r.t. args[argnum] along random directions with central
+    finite differences (float64)."""
+    grad = mx.grad(f, argnums=argnum)(*args)
+    base = np.array(args[argnum])
+    for _ in range(directions):
+        d = rng.standard_normal(base.shape)
+        plus = list(args)
+        minus = list(args)
+        plus[argnum] = to_mx(base + eps * d)
+        minus[argnum] = to_mx(base - eps * d)
+        numeric = (f(*plus).item() - f(*minus).item()) / (2 * eps)
+        analytic = float((np.array(grad) * d).sum())
+        assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-8), (argnum, analytic, numeric)
+    return grad
