@@ -43,7 +43,9 @@ class MSDeformAttn(nn.Module):
             linear.weight = glorot(linear.weight)
             linear.bias = mx.zeros_like(linear.bias)
 
-    def __call__(self, query, reference_points, input_flatten, spatial_shapes, level_start_index=None, padding_mask=None):
+    def __call__(
+        self, query, reference_points, input_flatten, spatial_shapes, level_start_index=None, padding_mask=None
+    ):
         """query (B, Q, d), reference_points (B, Q, n_levels, 2) as (x, y) or (B, Q, n_levels, 4) as
         (cx, cy, w, h), all in [0, 1]; input_flatten (B, L, d) with L = sum(H * W) over
         spatial_shapes ((H, W) per level); padding_mask (B, L) True on padding. -> (B, Q, d)."""

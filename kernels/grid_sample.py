@@ -5,7 +5,7 @@ and reduces the grid gradient from the same taps. (A gather written with plain M
 differentiated w.r.t. its indices, so without this VJP the grid would get no gradient at all.)
 """
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 
@@ -70,7 +70,7 @@ def _plan(grid: mx.array, height: int, width: int, mode: str, padding_mode: str,
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _sampler(mode: str, padding_mode: str, align_corners: bool):
     """A `custom_function` for one (mode, padding, align_corners), built once."""
 
@@ -97,9 +97,7 @@ def _sampler(mode: str, padding_mode: str, align_corners: bool):
             grad_grid = mx.zeros_like(grid)
         else:
             slopes = (values @ cotangent[..., None]).squeeze(-1)  # (N, Ho, Wo, K)
-            grad_grid = mx.stack(
-                [(taps.dweight_dx * slopes).sum(-1), (taps.dweight_dy * slopes).sum(-1)], axis=-1
-            )
+            grad_grid = mx.stack([(taps.dweight_dx * slopes).sum(-1), (taps.dweight_dy * slopes).sum(-1)], axis=-1)
         return grad_input.reshape(n, h, w, c), grad_grid
 
     return sample

@@ -2,7 +2,7 @@
 library's `ms_deformable_attention`, differentiable w.r.t. value, sampling locations and attention
 weights through a hand-written VJP."""
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -99,34 +99,39 @@ def _canonical(value, locations, value_layout, locations_layout):
 
 
 def _check_shapes(value, shapes, locations, weights, value_layout, locations_layout):
+    """Check canonical (BLNC, BQHLP2) shapes; report them in the caller's layouts."""
     b, length, heads, _ = value.shape
-    levels = len(shapes)
-    if length != sum(h * w for h, w in shapes):
-        fail(OP, "value", _as_given(value.shape, value_layout), f"L = sum(H * W) = {sum(h * w for h, w in shapes)} for {value_layout}")
-    _, q, _, _, points, _ = locations.shape
-    expected = (b, q, heads, levels, points, 2)
+    expected_length = sum(h * w for h, w in shapes)
+    if length != expected_length:
+        fail(
+            OP, "value", _in_layout(value.shape, value_layout), f"L = sum(H * W) = {expected_length} in {value_layout}"
+        )
+    q, points = locations.shape[1], locations.shape[4]
+    expected = (b, q, heads, len(shapes), points, 2)
     if locations.shape != expected:
-        fail(OP, "sampling_locations", _as_given(locations.shape, locations_layout),
-             f"{_in_layout(expected, locations_layout)} (B, Q, N_h, N_l, N_p from value and spatial_shapes) for {locations_layout}")
+        fail(
+            OP,
+            "sampling_locations",
+            _in_layout(locations.shape, locations_layout),
+            f"{_in_layout(expected, locations_layout)} in {locations_layout} "
+            "(B and N_h from value, N_l from spatial_shapes)",
+        )
     check_rank(OP, "attention_weights", weights, 5, "(B, Q, N_h, N_l, N_p)")
     if weights.shape != expected[:5]:
         fail(OP, "attention_weights", weights.shape, f"(B, Q, N_h, N_l, N_p) = {expected[:5]}")
 
 
-def _as_given(shape, layout):
-    """Report a canonical shape in the caller's layout."""
-    return _in_layout(tuple(shape), layout)
-
-
 def _in_layout(shape, layout):
+    """A canonical (BLNC or BQHLP2) shape as the caller's layout spells it."""
+    shape = tuple(shape)
     if layout == "BNLC":
         return (shape[0], shape[2], shape[1], shape[3])
     if layout == "B2QHLP":
         return (shape[0], shape[5], *shape[1:5])
-    return tuple(shape)
+    return shape
 
 
-@lru_cache(maxsize=None)
+@cache
 def _mlx_core(shapes, align_corners: bool, padding_mode: str):
     """The MLX-ops path for one set of level shapes, as a `custom_function`, built once."""
     heights = mx.array([h for h, _ in shapes], dtype=mx.int32).reshape(-1, 1)  # (N_l, 1)

@@ -40,7 +40,7 @@ def compare(inp, grid, mode, padding, align_corners, dtype_name, rng):
     out = kernels.grid_sample(*args, mode, padding, align_corners)
     assert out.dtype == mx_dtype
     grads = mx.grad(loss, argnums=(0, 1))(*args)
-    for name, got, want in zip(["output", "grad_input", "grad_grid"], [out, *grads], expected):
+    for name, got, want in zip(["output", "grad_input", "grad_grid"], [out, *grads], expected, strict=True):
         np.testing.assert_allclose(to_np(got), want, **TOLERANCE[dtype_name], err_msg=name)
 
 
@@ -62,8 +62,15 @@ def test_matches_torch_on_pixels_and_edges(mode, padding, align_corners, dtype_n
 
 @pytest.mark.parametrize("mode,padding,align_corners", ALL)
 def test_one_pixel_input(mode, padding, align_corners, rng):
-    compare(rng.standard_normal((1, 1, 1, 2)), rng.uniform(-1.5, 1.5, (1, 3, 3, 2)), mode, padding, align_corners,
-            "float64", rng)
+    compare(
+        rng.standard_normal((1, 1, 1, 2)),
+        rng.uniform(-1.5, 1.5, (1, 3, 3, 2)),
+        mode,
+        padding,
+        align_corners,
+        "float64",
+        rng,
+    )
 
 
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
@@ -99,7 +106,9 @@ def test_half_precision_is_computed_in_float32(dtype, rng):
     out = kernels.grid_sample(inp, grid, "bicubic")
     assert out.dtype == dtype
     reference = kernels.grid_sample(inp.astype(mx.float32), grid.astype(mx.float32), "bicubic")
-    np.testing.assert_array_equal(np.array(out.astype(mx.float32)), np.array(reference.astype(dtype).astype(mx.float32)))
+    np.testing.assert_array_equal(
+        np.array(out.astype(mx.float32)), np.array(reference.astype(dtype).astype(mx.float32))
+    )
     grad = mx.grad(lambda g: kernels.grid_sample(inp, g).astype(mx.float32).sum())(grid)
     assert grad.dtype == dtype
 
@@ -108,8 +117,18 @@ def test_half_precision_is_computed_in_float32(dtype, rng):
     "inp_shape,grid_shape,kwargs,message",
     [
         ((5, 6, 3), (1, 2, 2, 2), {}, r"input has shape \(5, 6, 3\); expected 4 dimensions \(N, H, W, C\)"),
-        ((1, 5, 6, 3), (1, 2, 2, 3), {}, r"grid has shape \(1, 2, 2, 3\); expected \(N, Ho, Wo, 2\) = \(1, Ho, Wo, 2\)"),
-        ((2, 5, 6, 3), (1, 2, 2, 2), {}, r"grid has shape \(1, 2, 2, 2\); expected \(N, Ho, Wo, 2\) = \(2, Ho, Wo, 2\)"),
+        (
+            (1, 5, 6, 3),
+            (1, 2, 2, 3),
+            {},
+            r"grid has shape \(1, 2, 2, 3\); expected \(N, Ho, Wo, 2\) = \(1, Ho, Wo, 2\)",
+        ),
+        (
+            (2, 5, 6, 3),
+            (1, 2, 2, 2),
+            {},
+            r"grid has shape \(1, 2, 2, 2\); expected \(N, Ho, Wo, 2\) = \(2, Ho, Wo, 2\)",
+        ),
         ((1, 5, 6, 3), (1, 2, 2, 2), {"mode": "area"}, r"unknown mode 'area'"),
         ((1, 5, 6, 3), (1, 2, 2, 2), {"padding_mode": "wrap"}, r"unknown padding_mode 'wrap'"),
     ],

@@ -25,10 +25,12 @@ def compare(shapes, value, locations, weights, padding, align_corners, dtype_nam
     arrays = [a.astype(np_dtype) for a in (value, locations, weights)]
     cotangent = rng.standard_normal((value.shape[0], locations.shape[1], value.shape[2] * value.shape[3]))
     cotangent = cotangent.astype(np_dtype)
-    expected = torch_reference.ms_deform_attn(arrays[0], shapes, arrays[1], arrays[2], cotangent, padding, align_corners)
+    expected = torch_reference.ms_deform_attn(
+        arrays[0], shapes, arrays[1], arrays[2], cotangent, padding, align_corners
+    )
 
-    def attend(v, l, w):
-        return kernels.ms_deform_attn(v, shapes, None, l, w, padding_mode=padding, align_corners=align_corners)
+    def attend(v, locs, w):
+        return kernels.ms_deform_attn(v, shapes, None, locs, w, padding_mode=padding, align_corners=align_corners)
 
     def loss(*args):
         return (attend(*args) * to_mx(cotangent, mx_dtype)).sum()
@@ -37,15 +39,14 @@ def compare(shapes, value, locations, weights, padding, align_corners, dtype_nam
     got = [attend(*args), *mx.grad(loss, argnums=(0, 1, 2))(*args)]
     names = ["output", "grad_value", "grad_locations", "grad_weights"]
     tolerances = [output_tolerance or TOLERANCE[dtype_name]] + 3 * [TOLERANCE[dtype_name]]
-    for name, g, want, tolerance in zip(names, got, expected, tolerances):
+    for name, g, want, tolerance in zip(names, got, expected, tolerances, strict=True):
         np.testing.assert_allclose(to_np(g), want, **tolerance, err_msg=name)
 
 
 def test_defaults_equal_the_authors_core_to_1e5(rng):
     shapes = ((6, 9), (3, 5), (2, 3), (1, 1))
     value, locations, weights = make_inputs(rng, shapes)
-    compare(shapes, value, locations, weights, "zeros", False, "float32", rng,
-            output_tolerance=dict(rtol=0, atol=1e-5))
+    compare(shapes, value, locations, weights, "zeros", False, "float32", rng, output_tolerance=dict(rtol=0, atol=1e-5))
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -58,8 +59,7 @@ def test_matches_torch_random_shapes(padding, align_corners, dtype_name, rng):
 @pytest.mark.parametrize("padding,align_corners", SETTINGS)
 def test_matches_torch_one_level_and_odd_channels(padding, align_corners, rng):
     shapes = ((7, 4),)
-    compare(shapes, *make_inputs(rng, shapes, heads=2, channels=71, points=2), padding, align_corners,
-            "float64", rng)
+    compare(shapes, *make_inputs(rng, shapes, heads=2, channels=71, points=2), padding, align_corners, "float64", rng)
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -88,8 +88,8 @@ def test_gradients_match_finite_differences(padding, align_corners, rng):
     value, locations, weights = (to_mx(a) for a in make_inputs(rng, shapes, channels=3))
     cotangent = to_mx(rng.standard_normal((2, 7, 9)))
 
-    def loss(v, l, w):
-        out = kernels.ms_deform_attn(v, shapes, None, l, w, padding_mode=padding, align_corners=align_corners)
+    def loss(v, locs, w):
+        out = kernels.ms_deform_attn(v, shapes, None, locs, w, padding_mode=padding, align_corners=align_corners)
         return (out * cotangent).sum()
 
     for argnum in range(3):
@@ -106,8 +106,8 @@ def test_location_gradient_at_integer_pixels_is_the_right_slope(rng):
     locations = np.stack([(ix + 0.5) / 8, (iy + 0.5) / 4], -1).reshape(1, -1, 1, 1, 1, 2)
     weights = to_mx(np.ones((1, locations.shape[1], 1, 1, 1)))
 
-    def loss(l):
-        return kernels.ms_deform_attn(value, shapes, None, l, weights).sum()
+    def loss(locs):
+        return kernels.ms_deform_attn(value, shapes, None, locs, weights).sum()
 
     grad = np.array(mx.grad(loss)(to_mx(locations)))
     assert np.all(np.abs(grad) > 1e-3)
@@ -115,7 +115,10 @@ def test_location_gradient_at_integer_pixels_is_the_right_slope(rng):
     for axis in range(2):
         step = np.zeros_like(locations)
         step[..., axis] = eps
-        per_point = [kernels.ms_deform_attn(value, shapes, None, to_mx(l), weights).sum(-1) for l in (locations, locations + step)]
+        per_point = [
+            kernels.ms_deform_attn(value, shapes, None, to_mx(locs), weights).sum(-1)
+            for locs in (locations, locations + step)
+        ]
         forward_difference = (np.array(per_point[1]) - np.array(per_point[0])) / eps
         np.testing.assert_allclose(grad[..., axis].reshape(-1), forward_difference.reshape(-1), rtol=1e-5)
 
@@ -127,21 +130,22 @@ def test_layouts_give_the_same_numbers(rng):
 
     def run(value_layout, locations_layout):
         v = value.transpose(0, 2, 1, 3) if value_layout == "BNLC" else value
-        l = locations.transpose(0, 5, 1, 2, 3, 4) if locations_layout == "B2QHLP" else locations
+        locs = locations.transpose(0, 5, 1, 2, 3, 4) if locations_layout == "B2QHLP" else locations
 
-        def loss(v, l, w):
-            out = kernels.ms_deform_attn(v, shapes, None, l, w, value_layout=value_layout,
-                                         sampling_locations_layout=locations_layout)
+        def loss(v, locs, w):
+            out = kernels.ms_deform_attn(
+                v, shapes, None, locs, w, value_layout=value_layout, sampling_locations_layout=locations_layout
+            )
             return (out * cotangent).sum(), out
 
-        (_, out), grads = mx.value_and_grad(loss, argnums=(0, 1, 2))(v, l, weights)
+        (_, out), grads = mx.value_and_grad(loss, argnums=(0, 1, 2))(v, locs, weights)
         grad_v = grads[0].transpose(0, 2, 1, 3) if value_layout == "BNLC" else grads[0]
         grad_l = grads[1].transpose(0, 2, 3, 4, 5, 1) if locations_layout == "B2QHLP" else grads[1]
         return [np.array(a) for a in (out, grad_v, grad_l, grads[2])]
 
     reference = run("BLNC", "BQHLP2")
     for layouts in [("BNLC", "BQHLP2"), ("BLNC", "B2QHLP"), ("BNLC", "B2QHLP")]:
-        for got, want in zip(run(*layouts), reference):
+        for got, want in zip(run(*layouts), reference, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -162,8 +166,9 @@ def test_nan_locations_sample_zeros(rng):
     out = kernels.ms_deform_attn(value, shapes, None, locations, weights)
     assert np.isfinite(np.array(out)).all()
     np.testing.assert_array_equal(np.array(out[0, 0]), 0)
-    grads = mx.grad(lambda v, l, w: kernels.ms_deform_attn(v, shapes, None, l, w).sum(), argnums=(0, 1, 2))(
-        value, locations, weights)
+    grads = mx.grad(lambda v, locs, w: kernels.ms_deform_attn(v, shapes, None, locs, w).sum(), argnums=(0, 1, 2))(
+        value, locations, weights
+    )
     for grad in grads:
         assert np.isfinite(np.array(grad)).all()
     np.testing.assert_array_equal(np.array(grads[1][0, 0]), 0)
@@ -175,8 +180,13 @@ def test_half_precision_is_computed_in_float32(dtype, rng):
     value, locations, weights = (to_mx(a, dtype) for a in make_inputs(rng, shapes))
     out = kernels.ms_deform_attn(value, shapes, None, locations, weights)
     assert out.dtype == dtype
-    reference = kernels.ms_deform_attn(*(a.astype(mx.float32) for a in (value,)), shapes, None,
-                                       locations.astype(mx.float32), weights.astype(mx.float32))
+    reference = kernels.ms_deform_attn(
+        *(a.astype(mx.float32) for a in (value,)),
+        shapes,
+        None,
+        locations.astype(mx.float32),
+        weights.astype(mx.float32),
+    )
     np.testing.assert_array_equal(to_np(out), to_np(reference.astype(dtype)))
 
 
@@ -186,8 +196,13 @@ SHAPES = ((6, 9), (3, 5))
 def bad_call(**changes):
     rng = np.random.default_rng(0)
     value, locations, weights = (to_mx(a, mx.float32) for a in make_inputs(rng, SHAPES))
-    args = dict(value=value, spatial_shapes=SHAPES, level_start_index=None, sampling_locations=locations,
-                attention_weights=weights)
+    args = dict(
+        value=value,
+        spatial_shapes=SHAPES,
+        level_start_index=None,
+        sampling_locations=locations,
+        attention_weights=weights,
+    )
     args.update(changes)
     kernels.ms_deform_attn(**args)
 
@@ -198,15 +213,27 @@ def bad_call(**changes):
         (dict(value=mx.zeros((2, 69, 15))), r"value has shape \(2, 69, 15\); expected 4 dimensions"),
         (dict(value=mx.zeros((2, 70, 3, 5))), r"value has shape \(2, 70, 3, 5\); expected L = sum\(H \* W\) = 69"),
         (dict(value=mx.zeros((2, 3, 70, 5)), value_layout="BNLC"), r"value has shape \(2, 3, 70, 5\)"),
-        (dict(value=mx.zeros((2, 69, 4, 5))), r"sampling_locations has shape \(2, 7, 3, 2, 3, 2\); expected \(2, 7, 4, 2, 3, 2\)"),
-        (dict(spatial_shapes=((6, 9), (3, 5), (1, 1)), value=mx.zeros((2, 70, 3, 5))),
-         r"sampling_locations has shape \(2, 7, 3, 2, 3, 2\); expected \(2, 7, 3, 3, 3, 2\)"),
+        (
+            dict(value=mx.zeros((2, 69, 4, 5))),
+            r"sampling_locations has shape \(2, 7, 3, 2, 3, 2\); expected \(2, 7, 4, 2, 3, 2\)",
+        ),
+        (
+            dict(spatial_shapes=((6, 9), (3, 5), (1, 1)), value=mx.zeros((2, 70, 3, 5))),
+            r"sampling_locations has shape \(2, 7, 3, 2, 3, 2\); expected \(2, 7, 3, 3, 3, 2\)",
+        ),
         (dict(sampling_locations=mx.zeros((2, 7, 3, 2, 3, 3))), r"sampling_locations has shape \(2, 7, 3, 2, 3, 3\)"),
-        (dict(sampling_locations=mx.zeros((2, 7, 3, 2, 3))), r"sampling_locations has shape \(2, 7, 3, 2, 3\); expected 6"),
-        (dict(sampling_locations=mx.zeros((2, 3, 7, 3, 2, 3)), sampling_locations_layout="B2QHLP"),
-         r"sampling_locations has shape \(2, 3, 7, 3, 2, 3\); expected \(B, 2, Q, N_h, N_l, N_p\)"),
-        (dict(attention_weights=mx.zeros((2, 7, 3, 2, 4))),
-         r"attention_weights has shape \(2, 7, 3, 2, 4\); expected \(B, Q, N_h, N_l, N_p\) = \(2, 7, 3, 2, 3\)"),
+        (
+            dict(sampling_locations=mx.zeros((2, 7, 3, 2, 3))),
+            r"sampling_locations has shape \(2, 7, 3, 2, 3\); expected 6",
+        ),
+        (
+            dict(sampling_locations=mx.zeros((2, 3, 7, 3, 2, 3)), sampling_locations_layout="B2QHLP"),
+            r"sampling_locations has shape \(2, 3, 7, 3, 2, 3\); expected \(B, 2, Q, N_h, N_l, N_p\)",
+        ),
+        (
+            dict(attention_weights=mx.zeros((2, 7, 3, 2, 4))),
+            r"attention_weights has shape \(2, 7, 3, 2, 4\); expected \(B, Q, N_h, N_l, N_p\) = \(2, 7, 3, 2, 3\)",
+        ),
         (dict(attention_weights=mx.zeros((2, 7, 3, 6))), r"attention_weights has shape \(2, 7, 3, 6\); expected 5"),
         (dict(level_start_index=[0, 50]), r"level_start_index is \[0, 50\]; expected \[0, 54\]"),
         (dict(spatial_shapes=[[6.0, 9.0], [3.0, 5.0]]), r"spatial_shapes has shape \(2, 2\) and dtype float64"),

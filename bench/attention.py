@@ -1,0 +1,126 @@
+"""Time `kernels.ms_deform_attn` against the authors' PyTorch core on the Deformable DETR encoder shape.
+
+    python bench/attention.py [--repeats 5] [--threads 2] [--output bench/results/attention_cpu.txt]
+
+Forward and forward+backward, median wall time of `--repeats` runs after one warm-up, for every
+backend of `kernels` that runs on this machine and for the authors' `ms_deform_attn_core_pytorch`
+(`F.grid_sample` per level) with `--threads` torch threads. The ratio column is torch / ours:
+above 1 means ours is faster.
+"""
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from torch_reference import ms_deform_attn_core  # noqa: E402  (the authors' core, shared with the tests)
+
+ENCODER = dict(batch=2, shapes=((100, 134), (50, 67), (25, 34), (13, 17)), heads=8, channels=32, points=4)
+
+
+def inputs(batch, shapes, heads, channels, points, seed=0):
+    rng = np.random.default_rng(seed)
+    length = sum(h * w for h, w in shapes)
+    queries = length  # the encoder: every token queries
+    value = rng.standard_normal((batch, length, heads, channels), dtype=np.float32)
+    locations = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points, 2)).astype(np.float32)
+    weights = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points)).astype(np.float32)
+    return value, locations, weights
+
+
+def median_time(run, repeats):
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_kernels(backend, shapes, arrays, repeats):
+    value, locations, weights = (mx.array(a) for a in arrays)
+    cotangent = mx.ones((value.shape[0], locations.shape[1], value.shape[2] * value.shape[3]))
+
+    def forward():
+        mx.eval(kernels.ms_deform_attn(value, shapes, None, locations, weights, backend=backend))
+
+    def loss(v, locs, w):
+        return (kernels.ms_deform_attn(v, shapes, None, locs, w, backend=backend) * cotangent).sum()
+
+    grad = mx.grad(loss, argnums=(0, 1, 2))
+
+    def forward_backward():
+        mx.eval(grad(value, locations, weights))
+
+    return median_time(forward, repeats), median_time(forward_backward, repeats)
+
+
+def time_torch(shapes, arrays, repeats, threads):
+    import torch
+
+    torch.set_num_threads(threads)
+    value, locations, weights = (torch.tensor(a) for a in arrays)
+
+    def forward():
+        with torch.no_grad():
+            ms_deform_attn_core(value, shapes, locations, weights)
+
+    def forward_backward():
+        tensors = [t.clone().requires_grad_() for t in (value, locations, weights)]
+        ms_deform_attn_core(tensors[0], shapes, tensors[1], tensors[2]).sum().backward()
+
+    return median_time(forward, repeats), median_time(forward_backward, repeats), torch.__version__
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--output", type=Path, help="also write the table to this file")
+    args = parser.parse_args()
+
+    shapes = ENCODER["shapes"]
+    arrays = inputs(**ENCODER)
+    b, q, h, levels, p, _ = arrays[1].shape
+    lines = [
+        f"ms_deform_attn, encoder shape: B={b}, Q=L={q}, levels {list(shapes)}, "
+        f"{h} heads x {ENCODER['channels']} channels, {p} points, float32",
+        f"machine: {platform.machine()}, {platform.system()}, python {platform.python_version()}, "
+        f"mlx {mx.__version__} ({mx.default_device()})",
+    ]
+    torch_fwd, torch_both, torch_version = time_torch(shapes, arrays, args.repeats, args.threads)
+    lines.append(f"reference: authors' ms_deform_attn_core_pytorch, torch {torch_version}, {args.threads} threads")
+    lines.append(f"median of {args.repeats} runs after a warm-up, seconds; ratio = torch / ours (> 1: ours faster)")
+    lines.append("")
+    lines.append(
+        f"| {'implementation':<34} | {'forward':>8} | {'fwd+bwd':>8} | {'ratio fwd':>9} | {'ratio fwd+bwd':>13} |"
+    )
+    lines.append(f"|{'-' * 36}|{'-' * 10}|{'-' * 10}|{'-' * 11}|{'-' * 15}|")
+    lines.append(
+        f"| {'torch core (' + str(args.threads) + ' threads)':<34} | {torch_fwd:8.3f} | {torch_both:8.3f} | "
+        f"{1.0:9.2f} | {1.0:13.2f} |"
+    )
+    for backend in kernels.BACKENDS:
+        fwd, both = time_kernels(backend, shapes, arrays, args.repeats)
+        lines.append(
+            f"| {'kernels, backend=' + backend:<34} | {fwd:8.3f} | {both:8.3f} | "
+            f"{torch_fwd / fwd:9.2f} | {torch_both / both:13.2f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
