@@ -1,11 +1,12 @@
 """Time `kernels.ms_deform_attn` against the authors' PyTorch core on the Deformable DETR encoder shape.
 
-    python bench/attention.py [--repeats 5] [--threads 2] [--output bench/results/attention_cpu.txt]
+    python bench/attention.py [--repeats 5] [--threads 2] [--torch-device cpu] [--output FILE]
 
 Forward and forward+backward, median wall time of `--repeats` runs after one warm-up, for every
 backend of `kernels` that runs on this machine and for the authors' `ms_deform_attn_core_pytorch`
-(`F.grid_sample` per level) with `--threads` torch threads. The ratio column is torch / ours:
-above 1 means ours is faster.
+(`F.grid_sample` per level) with `--threads` torch threads, or on CUDA with `--torch-device cuda`.
+`kernels` runs on MLX's default device. The ratio column is torch / ours: above 1 means ours is
+faster.
 """
 
 import argparse
@@ -64,19 +65,22 @@ def time_kernels(backend, shapes, arrays, repeats):
     return median_time(forward, repeats), median_time(forward_backward, repeats)
 
 
-def time_torch(shapes, arrays, repeats, threads):
+def time_torch(shapes, arrays, repeats, threads, device):
     import torch
 
     torch.set_num_threads(threads)
-    value, locations, weights = (torch.tensor(a) for a in arrays)
+    value, locations, weights = (torch.tensor(a, device=device) for a in arrays)
+    synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
 
     def forward():
         with torch.no_grad():
             ms_deform_attn_core(value, shapes, locations, weights)
+        synchronize()
 
     def forward_backward():
         tensors = [t.clone().requires_grad_() for t in (value, locations, weights)]
         ms_deform_attn_core(tensors[0], shapes, tensors[1], tensors[2]).sum().backward()
+        synchronize()
 
     return median_time(forward, repeats), median_time(forward_backward, repeats), torch.__version__
 
@@ -84,7 +88,8 @@ def time_torch(shapes, arrays, repeats, threads):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--torch-device", choices=["cpu", "cuda"], default="cpu", help="where the torch core runs")
     parser.add_argument("--output", type=Path, help="also write the table to this file")
     args = parser.parse_args()
 
@@ -97,8 +102,9 @@ def main():
         f"machine: {platform.machine()}, {platform.system()}, python {platform.python_version()}, "
         f"mlx {mx.__version__} ({mx.default_device()})",
     ]
-    torch_fwd, torch_both, torch_version = time_torch(shapes, arrays, args.repeats, args.threads)
-    lines.append(f"reference: authors' ms_deform_attn_core_pytorch, torch {torch_version}, {args.threads} threads")
+    torch_fwd, torch_both, torch_version = time_torch(shapes, arrays, args.repeats, args.threads, args.torch_device)
+    where = f"{args.threads} threads" if args.torch_device == "cpu" else "cuda"
+    lines.append(f"reference: authors' ms_deform_attn_core_pytorch, torch {torch_version}, {where}")
     lines.append(f"median of {args.repeats} runs after a warm-up, seconds; ratio = torch / ours (> 1: ours faster)")
     lines.append("")
     lines.append(
@@ -106,8 +112,7 @@ def main():
     )
     lines.append(f"|{'-' * 36}|{'-' * 10}|{'-' * 10}|{'-' * 11}|{'-' * 15}|")
     lines.append(
-        f"| {'torch core (' + str(args.threads) + ' threads)':<34} | {torch_fwd:8.3f} | {torch_both:8.3f} | "
-        f"{1.0:9.2f} | {1.0:13.2f} |"
+        f"| {'torch core (' + where + ')':<34} | {torch_fwd:8.3f} | {torch_both:8.3f} | {1.0:9.2f} | {1.0:13.2f} |"
     )
     for backend in kernels.BACKENDS:
         fwd, both = time_kernels(backend, shapes, arrays, args.repeats)

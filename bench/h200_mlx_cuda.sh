@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device check on an NVIDIA machine without network: MLX's CUDA build (mlx + mlx-cuda-13 wheels,
+# unpacked and recompressed as .dev/mlx_cuda_site.tar.xz.* because the wheel is over the 64 MiB a
+# call may carry) is installed into /tmp/site; then the test suite runs with MLX's GPU as the
+# default device, and bench/attention.py times the MLX-ops path on that GPU against the authors'
+# torch core on CUDA and on all CPU cores. Writes its log to $OUT (or ./device-out).
+set -uo pipefail
+out=${OUT:-device-out}
+mkdir -p "$out" /tmp/site
+{
+  echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
+  python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.version.cuda)"
+  cat .dev/mlx_cuda_site.tar.xz.* | xz -d | tar -x -C /tmp/site || exit 1
+  # libmlx.so finds cuBLAS, cuDNN, NCCL, NVRTC through $ORIGIN/../../nvidia: use the machine's own.
+  ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" /tmp/site/nvidia
+  export PYTHONPATH=/tmp/site:$PWD CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
+  python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())"
+  echo "== tests, MLX default device = GPU"
+  python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -40
+  echo "== bench vs torch on CUDA"
+  python3 bench/attention.py --repeats 10 --torch-device cuda
+  echo "== bench vs torch on CPU ($(nproc) threads)"
+  python3 bench/attention.py --repeats 3 --threads "$(nproc)"
+} 2>&1 | tee "$out/h200_mlx_cuda.log"
