@@ -15,8 +15,8 @@ mkdir -p "$out" /tmp/site
   ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" /tmp/site/nvidia
   export PYTHONPATH=/tmp/site:$PWD CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
   python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())"
-  echo "== tests, MLX default device = GPU"
-  python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -40
+  echo "== tests, MLX default device = GPU (float64 tests on the CPU device: MLX GPUs have no float64)"
+  python3 -m pytest -q -p no:cacheprovider --tb=short tests 2>&1 | tail -60
   echo "== bench vs torch on CUDA"
   python3 bench/attention.py --repeats 10 --torch-device cuda
   echo "== bench vs torch on CPU ($(nproc) threads)"

@@ -1,3 +1,9 @@
+import os
+
+# MLX runs float32 matmuls as TF32 on GPUs with matrix units unless told not to (its own test
+# harness says so too); the references here are full float32. Set before MLX's first operation.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -12,7 +18,28 @@ def to_mx(array, dtype=mx.float64):
 
 
 def to_np(array: mx.array) -> np.ndarray:
-    return np.array(array.astype(mx.float64) if array.dtype in (mx.float16, mx.bfloat16) else array)
+    return np.array(array.astype(mx.float32) if array.dtype in (mx.float16, mx.bfloat16) else array)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "float64: computes in float64, which MLX has on the CPU only")
+
+
+@pytest.fixture(autouse=True)
+def float64_on_cpu(request):
+    """MLX's GPUs (Metal, CUDA) have no float64: run float64 tests on the CPU device, the others on
+    the default device (the GPU where there is one)."""
+    params = getattr(request.node, "callspec", None)
+    wants_float64 = request.node.get_closest_marker("float64") or (
+        params is not None and params.params.get("dtype_name") == "float64"
+    )
+    if not wants_float64:
+        yield
+        return
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
 
 
 @pytest.fixture

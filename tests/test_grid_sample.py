@@ -60,6 +60,7 @@ def test_matches_torch_on_pixels_and_edges(mode, padding, align_corners, dtype_n
     compare(inp, edge_grid(height, width, align_corners), mode, padding, align_corners, dtype_name, rng)
 
 
+@pytest.mark.float64
 @pytest.mark.parametrize("mode,padding,align_corners", ALL)
 def test_one_pixel_input(mode, padding, align_corners, rng):
     compare(
@@ -73,6 +74,7 @@ def test_one_pixel_input(mode, padding, align_corners, rng):
     )
 
 
+@pytest.mark.float64
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
 @pytest.mark.parametrize("padding", PADDINGS)
 def test_gradients_match_finite_differences(mode, padding, rng):
@@ -87,6 +89,7 @@ def test_gradients_match_finite_differences(mode, padding, rng):
     directional_check(loss, (inp, grid), 1, rng)
 
 
+@pytest.mark.float64
 def test_grid_gradient_at_integer_coordinates_is_the_slope():
     """On a linear ramp every interior pixel has the same slope, so sampling exactly on pixels
     must give exactly that slope, not the zero a `ceil`-based sampler gives there."""

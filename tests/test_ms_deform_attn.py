@@ -56,6 +56,7 @@ def test_matches_torch_random_shapes(padding, align_corners, dtype_name, rng):
     compare(shapes, *make_inputs(rng, shapes), padding, align_corners, dtype_name, rng)
 
 
+@pytest.mark.float64
 @pytest.mark.parametrize("padding,align_corners", SETTINGS)
 def test_matches_torch_one_level_and_odd_channels(padding, align_corners, rng):
     shapes = ((7, 4),)
@@ -82,6 +83,7 @@ def test_matches_torch_on_pixels_and_borders(padding, align_corners, dtype_name,
     compare(shapes, value, locations, weights, padding, align_corners, dtype_name, rng)
 
 
+@pytest.mark.float64
 @pytest.mark.parametrize("padding,align_corners", SETTINGS)
 def test_gradients_match_finite_differences(padding, align_corners, rng):
     shapes = ((5, 6), (3, 2), (1, 1))
@@ -97,6 +99,7 @@ def test_gradients_match_finite_differences(padding, align_corners, rng):
         assert np.abs(np.array(grad)).max() > 0
 
 
+@pytest.mark.float64
 def test_location_gradient_at_integer_pixels_is_the_right_slope(rng):
     """At an integer pixel coordinate the location gradient is the one-sided slope towards the
     next pixel (the forward difference), never zero."""
@@ -123,6 +126,7 @@ def test_location_gradient_at_integer_pixels_is_the_right_slope(rng):
         np.testing.assert_allclose(grad[..., axis].reshape(-1), forward_difference.reshape(-1), rtol=1e-5)
 
 
+@pytest.mark.float64
 def test_layouts_give_the_same_numbers(rng):
     shapes = ((6, 9), (3, 5))
     value, locations, weights = (to_mx(a) for a in make_inputs(rng, shapes))
@@ -149,6 +153,7 @@ def test_layouts_give_the_same_numbers(rng):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.float64
 def test_spatial_shapes_and_level_start_index_forms(rng):
     shapes = ((6, 9), (3, 5))
     value, locations, weights = (to_mx(a) for a in make_inputs(rng, shapes))
@@ -157,6 +162,7 @@ def test_spatial_shapes_and_level_start_index_forms(rng):
     np.testing.assert_array_equal(np.array(as_arrays), np.array(reference))
 
 
+@pytest.mark.float64
 def test_nan_locations_sample_zeros(rng):
     shapes = ((6, 9), (3, 5))
     value, locations, weights = make_inputs(rng, shapes)
@@ -180,13 +186,8 @@ def test_half_precision_is_computed_in_float32(dtype, rng):
     value, locations, weights = (to_mx(a, dtype) for a in make_inputs(rng, shapes))
     out = kernels.ms_deform_attn(value, shapes, None, locations, weights)
     assert out.dtype == dtype
-    reference = kernels.ms_deform_attn(
-        *(a.astype(mx.float32) for a in (value,)),
-        shapes,
-        None,
-        locations.astype(mx.float32),
-        weights.astype(mx.float32),
-    )
+    value, locations, weights = (a.astype(mx.float32) for a in (value, locations, weights))
+    reference = kernels.ms_deform_attn(value, shapes, None, locations, weights)
     np.testing.assert_array_equal(to_np(out), to_np(reference.astype(dtype)))
 
 
@@ -251,6 +252,7 @@ def test_bad_input_is_named(changes, message):
         bad_call(**changes)
 
 
+@pytest.mark.float64
 def test_backend_mlx_is_the_default():
     rng = np.random.default_rng(1)
     value, locations, weights = (to_mx(a) for a in make_inputs(rng, SHAPES))

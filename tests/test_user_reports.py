@@ -96,6 +96,7 @@ def test_module_matches_the_authors_module(reference_points, rng):
         np.testing.assert_allclose(np.array(grad), want, rtol=1e-3, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.float64
 def test_sampling_offsets_gradient_is_nonzero_at_init_and_equals_finite_differences(rng):
     """Reference points off the pixel grid, so central differences are well defined."""
     query, ref, source, cotangent = (to_mx(a) for a in make_case(rng, "boxes"))
