@@ -1,0 +1,170 @@
+"""ResNet backbone with frozen batch norm, returning feature maps and their padding masks.
+
+Channels-last throughout: images (B, H, W, 3), features (B, h, w, C). Parameter paths follow
+torchvision's ResNet under `backbone.0.body` (the authors' `Joiner`), so their checkpoints map key
+for key.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+# name -> (block, blocks per stage)
+ARCHITECTURES = {
+    "resnet18": ("basic", (2, 2, 2, 2)),
+    "resnet34": ("basic", (3, 4, 6, 3)),
+    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+    "resnet101": ("bottleneck", (3, 4, 23, 3)),
+}
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """Batch norm with fixed statistics and affine parameters (never trained)."""
+
+    def __init__(self, channels: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = mx.ones((channels,))
+        self.bias = mx.zeros((channels,))
+        self.running_mean = mx.zeros((channels,))
+        self.running_var = mx.ones((channels,))
+        self.eps = eps
+        self.freeze()
+
+    def __call__(self, x):
+        scale = self.weight * mx.rsqrt(self.running_var + self.eps)
+        return x * scale + (self.bias - self.running_mean * scale)
+
+
+def conv(in_channels, out_channels, kernel_size, stride=1, dilation=1):
+    padding = dilation * (kernel_size // 2)
+    return nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, bias=False)
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, in_channels, channels, stride=1, dilation=1, downsample=None):
+        super().__init__()
+        self.conv1 = conv(in_channels, channels, 3, stride, dilation)
+        self.bn1 = FrozenBatchNorm2d(channels)
+        self.conv2 = conv(channels, channels, 3, 1, dilation)
+        self.bn2 = FrozenBatchNorm2d(channels)
+        if downsample is not None:
+            self.downsample = downsample
+
+    def __call__(self, x):
+        out = nn.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = x if "downsample" not in self else _sequential(self.downsample, x)
+        return nn.relu(out + identity)
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, in_channels, channels, stride=1, dilation=1, downsample=None):
+        super().__init__()
+        self.conv1 = conv(in_channels, channels, 1)
+        self.bn1 = FrozenBatchNorm2d(channels)
+        self.conv2 = conv(channels, channels, 3, stride, dilation)  # torchvision v1.5: stride on the 3x3
+        self.bn2 = FrozenBatchNorm2d(channels)
+        self.conv3 = conv(channels, channels * 4, 1)
+        self.bn3 = FrozenBatchNorm2d(channels * 4)
+        if downsample is not None:
+            self.downsample = downsample
+
+    def __call__(self, x):
+        out = nn.relu(self.bn1(self.conv1(x)))
+        out = nn.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        identity = x if "downsample" not in self else _sequential(self.downsample, x)
+        return nn.relu(out + identity)
+
+
+def _sequential(layers, x):
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet without the classifier; returns the outputs of layer2..layer4."""
+
+    def __init__(self, name: str, dilation: bool = False):
+        super().__init__()
+        if name not in ARCHITECTURES:
+            raise ValueError(f"unknown backbone {name!r}; expected one of {', '.join(ARCHITECTURES)}")
+        kind, depths = ARCHITECTURES[name]
+        block = Bottleneck if kind == "bottleneck" else BasicBlock
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = FrozenBatchNorm2d(64)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        in_channels, current_dilation = 64, 1
+        for stage, (channels, depth) in enumerate(zip((64, 128, 256, 512), depths, strict=True)):
+            stride = 1 if stage == 0 else 2
+            previous_dilation = current_dilation
+            if dilation and stage == 3:  # DC5: the last stage keeps stride 16 and dilates instead
+                current_dilation, stride = current_dilation * stride, 1
+            blocks = []
+            for i in range(depth):
+                downsample = None
+                if i == 0 and (stride != 1 or in_channels != channels * block.expansion):
+                    downsample = [
+                        conv(in_channels, channels * block.expansion, 1, stride),
+                        FrozenBatchNorm2d(channels * block.expansion),
+                    ]
+                # as torchvision: a stage's first block keeps the dilation of the stage before
+                first = i == 0
+                blocks.append(
+                    block(
+                        in_channels,
+                        channels,
+                        stride if first else 1,
+                        previous_dilation if first else current_dilation,
+                        downsample,
+                    )
+                )
+                in_channels = channels * block.expansion
+            setattr(self, f"layer{stage + 1}", blocks)
+        self.num_channels = [c * block.expansion for c in (128, 256, 512)]
+
+    def __call__(self, x):
+        x = self.maxpool(nn.relu(self.bn1(self.conv1(x))))
+        outputs = []
+        for stage in range(1, 5):
+            x = _sequential(getattr(self, f"layer{stage}"), x)
+            if stage >= 2:
+                outputs.append(x)
+        return outputs
+
+
+def resize_mask(mask: mx.array, height: int, width: int) -> mx.array:
+    """Nearest resize of a (B, H, W) bool mask, as `F.interpolate(mode="nearest")`."""
+    rows = _nearest_indices(mask.shape[1], height)
+    cols = _nearest_indices(mask.shape[2], width)
+    return mask[:, rows][:, :, cols]
+
+
+def _nearest_indices(size_in: int, size_out: int) -> mx.array:
+    scale = np.float32(size_in) / np.float32(size_out)
+    index = np.floor(np.arange(size_out, dtype=np.float32) * scale).astype(np.int32)
+    return mx.array(np.minimum(index, size_in - 1))
+
+
+class Backbone(nn.Module):
+    """ResNet body; returns [(features (B, h, w, C), mask (B, h, w))] at strides 8/16/32, or the
+    last only (`return_interm_layers=False`). Training freezes the stem and layer1, as the authors."""
+
+    def __init__(self, name: str, return_interm_layers: bool = True, dilation: bool = False):
+        super().__init__()
+        self.body = ResNet(name, dilation)
+        self.return_interm_layers = return_interm_layers
+        strides = [8, 16, 16 if dilation else 32]
+        self.strides = strides if return_interm_layers else strides[-1:]
+        self.num_channels = self.body.num_channels if return_interm_layers else self.body.num_channels[-1:]
+
+    def __call__(self, images: mx.array, mask: mx.array):
+        features = self.body(images)
+        if not self.return_interm_layers:
+            features = features[-1:]
+        return [(x, resize_mask(mask, x.shape[1], x.shape[2])) for x in features]

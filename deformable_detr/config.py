@@ -1,0 +1,136 @@
+"""Configuration: dataclass defaults (the authors' `main.py` defaults), overridden by a YAML file,
+overridden by `section.key=value` strings. Unknown keys are errors that name them."""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    backbone: str = "resnet50"  # resnet18 | resnet34 | resnet50 | resnet101
+    dilation: bool = False  # DC5: dilate the last stage instead of striding it
+    num_feature_levels: int = 4
+    hidden_dim: int = 256
+    nheads: int = 8
+    enc_layers: int = 6
+    dec_layers: int = 6
+    dim_feedforward: int = 1024
+    dropout: float = 0.1
+    enc_n_points: int = 4
+    dec_n_points: int = 4
+    num_queries: int = 300
+    num_classes: int = 91  # COCO category ids run 1..90; index 0 and the gaps are never targets
+    with_box_refine: bool = False
+    two_stage: bool = False
+    aux_loss: bool = True
+
+
+@dataclass
+class MatcherConfig:
+    set_cost_class: float = 2.0
+    set_cost_bbox: float = 5.0
+    set_cost_giou: float = 2.0
+
+
+@dataclass
+class LossConfig:
+    cls_loss_coef: float = 2.0
+    bbox_loss_coef: float = 5.0
+    giou_loss_coef: float = 2.0
+    focal_alpha: float = 0.25
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 2e-4
+    lr_backbone: float = 2e-5
+    lr_linear_proj_mult: float = 0.1  # for the parameters named below
+    lr_linear_proj_names: list = field(default_factory=lambda: ["reference_points", "sampling_offsets"])
+    weight_decay: float = 1e-4
+    clip_max_norm: float = 0.1
+
+
+@dataclass
+class ScheduleConfig:
+    epochs: int = 50
+    lr_drop: int = 40  # learning rates x 0.1 from this epoch on
+    batch_size: int = 2
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "coco"
+    coco_path: str = "data/coco"
+    num_workers: int = 2
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    matcher: MatcherConfig = field(default_factory=MatcherConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    seed: int = 42
+
+
+def load_config(path=None, overrides=()) -> Config:
+    """Defaults, then the YAML file at `path` (if any), then `section.key=value` overrides."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+        _merge(cfg, data, str(path), "")
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep:
+            raise ValueError(f"override {override!r}: expected section.key=value")
+        nested = yaml.safe_load(value)
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        _merge(cfg, nested, "override", "")
+    return cfg
+
+
+def _merge(target, data: dict, source: str, prefix: str):
+    names = {f.name: f for f in dataclasses.fields(target)}
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(
+            f"{source}: unknown key(s) {', '.join(prefix + k for k in unknown)}; "
+            f"expected {', '.join(prefix + k for k in names)}"
+        )
+    for key, value in data.items():
+        current = getattr(target, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"{source}: {prefix}{key} must be a mapping")
+            _merge(current, value, source, f"{prefix}{key}.")
+        else:
+            setattr(target, key, _coerce(value, current, f"{source}: {prefix}{key}"))
+
+
+def _coerce(value, current, where):
+    """Keep each key's type: an int where a float is expected is fine, anything else is an error."""
+    if isinstance(current, bool) or isinstance(value, bool):
+        if not (isinstance(current, bool) and isinstance(value, bool)):
+            raise ValueError(f"{where} must be {type(current).__name__}, got {value!r}")
+        return value
+    if isinstance(current, float) and isinstance(value, int):
+        return float(value)
+    if not isinstance(value, type(current)):
+        raise ValueError(f"{where} must be {type(current).__name__}, got {value!r}")
+    return value
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

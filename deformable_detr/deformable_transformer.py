@@ -1,0 +1,264 @@
+"""Deformable transformer: encoder and decoder layers, single-stage and two-stage, optional iterative
+box refinement. A port of the authors' `models/deformable_transformer.py`; tensors are batch-first
+and feature maps channels-last."""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .ms_deform_attn import MSDeformAttn
+from .position_encoding import sine_embedding
+
+
+def inverse_sigmoid(x: mx.array, eps: float = 1e-5) -> mx.array:
+    x = mx.clip(x, 0, 1)
+    return mx.log(mx.maximum(x, eps) / mx.maximum(1 - x, eps))
+
+
+class MultiheadAttention(nn.Module):
+    """`torch.nn.MultiheadAttention` (batch-first here), with its parameter names."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        bound = math.sqrt(6 / (d_model + 3 * d_model))
+        self.in_proj_weight = mx.random.uniform(-bound, bound, (3 * d_model, d_model))
+        self.in_proj_bias = mx.zeros((3 * d_model,))
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.out_proj.bias = mx.zeros((d_model,))
+
+    def __call__(self, query, key, value):
+        b, q_len, d = query.shape
+        w, bias = self.in_proj_weight, self.in_proj_bias
+        q = query @ w[:d].T + bias[:d]
+        k = key @ w[d : 2 * d].T + bias[d : 2 * d]
+        v = value @ w[2 * d :].T + bias[2 * d :]
+        head_dim = d // self.n_heads
+
+        def heads(x):  # (B, N, d) -> (B, n_heads, N, head_dim)
+            return x.reshape(b, -1, self.n_heads, head_dim).transpose(0, 2, 1, 3)
+
+        q, k, v = heads(q), heads(k), heads(v)
+        weights = mx.softmax((q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2), axis=-1)
+        out = (weights @ v).transpose(0, 2, 1, 3).reshape(b, q_len, d)
+        return self.out_proj(out)
+
+
+class DeformableTransformerEncoderLayer(nn.Module):
+    def __init__(self, d_model=256, d_ffn=1024, dropout=0.1, n_levels=4, n_heads=8, n_points=4):
+        super().__init__()
+        self.self_attn = MSDeformAttn(d_model, n_levels, n_heads, n_points)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.linear1 = nn.Linear(d_model, d_ffn)
+        self.linear2 = nn.Linear(d_ffn, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def __call__(self, src, pos, reference_points, spatial_shapes, padding_mask):
+        attended = self.self_attn(src + pos, reference_points, src, spatial_shapes, None, padding_mask)
+        src = self.norm1(src + self.dropout(attended))
+        ffn = self.linear2(self.dropout(nn.relu(self.linear1(src))))
+        return self.norm2(src + self.dropout(ffn))
+
+
+class DeformableTransformerEncoder(nn.Module):
+    def __init__(self, num_layers: int, **layer_args):
+        super().__init__()
+        self.layers = [DeformableTransformerEncoderLayer(**layer_args) for _ in range(num_layers)]
+
+    @staticmethod
+    def reference_points(spatial_shapes, valid_ratios):
+        """Pixel centres of every level, normalised by the unpadded extent, then seen from every
+        level: (B, L, n_levels, 2)."""
+        points = []
+        for level, (h, w) in enumerate(spatial_shapes):
+            ref_y, ref_x = mx.meshgrid(
+                mx.arange(h, dtype=mx.float32) + 0.5, mx.arange(w, dtype=mx.float32) + 0.5, indexing="ij"
+            )
+            ref_y = ref_y.reshape(1, -1) / (valid_ratios[:, None, level, 1] * h)
+            ref_x = ref_x.reshape(1, -1) / (valid_ratios[:, None, level, 0] * w)
+            points.append(mx.stack([ref_x, ref_y], -1))
+        points = mx.concatenate(points, 1)
+        return points[:, :, None] * valid_ratios[:, None]
+
+    def __call__(self, src, spatial_shapes, valid_ratios, pos, padding_mask):
+        reference_points = self.reference_points(spatial_shapes, valid_ratios)
+        for layer in self.layers:
+            src = layer(src, pos, reference_points, spatial_shapes, padding_mask)
+        return src
+
+
+class DeformableTransformerDecoderLayer(nn.Module):
+    def __init__(self, d_model=256, d_ffn=1024, dropout=0.1, n_levels=4, n_heads=8, n_points=4):
+        super().__init__()
+        self.cross_attn = MSDeformAttn(d_model, n_levels, n_heads, n_points)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.self_attn = MultiheadAttention(d_model, n_heads)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.linear1 = nn.Linear(d_model, d_ffn)
+        self.linear2 = nn.Linear(d_ffn, d_model)
+        self.norm3 = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask):
+        q = k = tgt + query_pos
+        tgt = self.norm2(tgt + self.dropout(self.self_attn(q, k, tgt)))
+        attended = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
+        tgt = self.norm1(tgt + self.dropout(attended))
+        ffn = self.linear2(self.dropout(nn.relu(self.linear1(tgt))))
+        return self.norm3(tgt + self.dropout(ffn))
+
+
+class DeformableTransformerDecoder(nn.Module):
+    def __init__(self, num_layers: int, **layer_args):
+        super().__init__()
+        self.layers = [DeformableTransformerDecoderLayer(**layer_args) for _ in range(num_layers)]
+
+    def __call__(
+        self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask, bbox_embed=None
+    ):
+        """Returns every layer's output (n_layers, B, Q, d) and reference points (n_layers, B, Q, 2|4).
+        With `bbox_embed` (one head per layer) each layer refines the reference boxes it passes on."""
+        outputs, references = [], []
+        for lid, layer in enumerate(self.layers):
+            ratios = (
+                mx.concatenate([valid_ratios, valid_ratios], -1) if reference_points.shape[-1] == 4 else valid_ratios
+            )
+            tgt = layer(
+                tgt, query_pos, reference_points[:, :, None] * ratios[:, None], src, spatial_shapes, padding_mask
+            )
+            if bbox_embed is not None:
+                delta = bbox_embed[lid](tgt)
+                if reference_points.shape[-1] == 4:
+                    refined = delta + inverse_sigmoid(reference_points)
+                else:
+                    refined = mx.concatenate([delta[..., :2] + inverse_sigmoid(reference_points), delta[..., 2:]], -1)
+                reference_points = mx.stop_gradient(mx.sigmoid(refined))
+            outputs.append(tgt)
+            references.append(reference_points)
+        return mx.stack(outputs), mx.stack(references)
+
+
+class DeformableTransformer(nn.Module):
+    def __init__(
+        self,
+        d_model=256,
+        nhead=8,
+        num_encoder_layers=6,
+        num_decoder_layers=6,
+        dim_feedforward=1024,
+        dropout=0.1,
+        num_feature_levels=4,
+        dec_n_points=4,
+        enc_n_points=4,
+        two_stage=False,
+        two_stage_num_proposals=300,
+    ):
+        super().__init__()
+        self.d_model, self.two_stage, self.two_stage_num_proposals = d_model, two_stage, two_stage_num_proposals
+        common = dict(
+            d_model=d_model, d_ffn=dim_feedforward, dropout=dropout, n_levels=num_feature_levels, n_heads=nhead
+        )
+        self.encoder = DeformableTransformerEncoder(num_encoder_layers, n_points=enc_n_points, **common)
+        self.decoder = DeformableTransformerDecoder(num_decoder_layers, n_points=dec_n_points, **common)
+        self.level_embed = mx.random.normal((num_feature_levels, d_model))
+        if two_stage:
+            self.enc_output = nn.Linear(d_model, d_model)
+            self.enc_output_norm = nn.LayerNorm(d_model)
+            self.pos_trans = nn.Linear(d_model * 2, d_model * 2)
+            self.pos_trans_norm = nn.LayerNorm(d_model * 2)
+        else:
+            self.reference_points = nn.Linear(d_model, 2)
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        """xavier_uniform for every matrix, then MSDeformAttn's own init, as the authors."""
+        glorot = nn.init.glorot_uniform()
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight = glorot(module.weight)
+            if isinstance(module, MultiheadAttention):
+                module.in_proj_weight = glorot(module.in_proj_weight)
+        for module in self.modules():
+            if isinstance(module, MSDeformAttn):
+                module.reset_parameters()
+        if not self.two_stage:
+            self.reference_points.bias = mx.zeros_like(self.reference_points.bias)
+
+    @staticmethod
+    def valid_ratios(mask):
+        """(B, h, w) padding mask -> (B, 2): unpadded fraction of width and height."""
+        _, h, w = mask.shape
+        valid_h = (~mask[:, :, 0]).sum(1).astype(mx.float32)
+        valid_w = (~mask[:, 0, :]).sum(1).astype(mx.float32)
+        return mx.stack([valid_w / w, valid_h / h], -1)
+
+    def encoder_proposals(self, memory, padding_mask, spatial_shapes):
+        """Two-stage: one proposal box per encoder token (its pixel, a level-sized square), in logit
+        space (inf where padded or too close to the border), and the memory they are scored from."""
+        b = memory.shape[0]
+        proposals, start = [], 0
+        for level, (h, w) in enumerate(spatial_shapes):
+            mask = padding_mask[:, start : start + h * w].reshape(b, h, w)
+            valid_h = (~mask[:, :, 0]).sum(1).astype(mx.float32)
+            valid_w = (~mask[:, 0, :]).sum(1).astype(mx.float32)
+            grid_y, grid_x = mx.meshgrid(mx.arange(h, dtype=mx.float32), mx.arange(w, dtype=mx.float32), indexing="ij")
+            grid = mx.stack([grid_x, grid_y], -1)[None]  # (1, h, w, 2)
+            scale = mx.stack([valid_w, valid_h], -1).reshape(b, 1, 1, 2)
+            grid = (grid + 0.5) / scale
+            size = mx.full(grid.shape, 0.05 * (2.0**level))
+            proposals.append(mx.concatenate([grid, size], -1).reshape(b, -1, 4))
+            start += h * w
+        proposals = mx.concatenate(proposals, 1)
+        valid = mx.all((proposals > 0.01) & (proposals < 0.99), axis=-1, keepdims=True)
+        proposals = mx.log(proposals / (1 - proposals))
+        invalid = padding_mask[..., None] | ~valid
+        proposals = mx.where(invalid, mx.inf, proposals)
+        memory = mx.where(invalid, 0.0, memory)
+        return self.enc_output_norm(self.enc_output(memory)), proposals
+
+    @staticmethod
+    def proposal_pos_embed(proposals, num_pos_feats=128, temperature=10000, scale=2 * math.pi):
+        """(B, K, 4) proposals in logit space -> (B, K, 4 * num_pos_feats) sine embedding."""
+        embedded = sine_embedding(mx.sigmoid(proposals) * scale, num_pos_feats, temperature)
+        return embedded.reshape(*proposals.shape[:2], -1)
+
+    def __call__(self, srcs, masks, pos_embeds, query_embed=None, proposal_heads=None, refine_heads=None):
+        """srcs, pos_embeds: per level (B, h, w, d); masks: per level (B, h, w). Single stage needs
+        `query_embed` (Q, 2d); two-stage needs `proposal_heads`, the (class, box) heads that score the
+        encoder's proposals; `refine_heads`, one box head per decoder layer, turns on box refinement.
+
+        Returns decoder outputs (n_layers, B, Q, d), initial reference points (B, Q, 2|4), every
+        layer's reference points, and for two-stage the encoder's class logits and box logits."""
+        spatial_shapes = tuple((src.shape[1], src.shape[2]) for src in srcs)
+        b, d = srcs[0].shape[0], self.d_model
+        src_flatten = mx.concatenate([src.reshape(b, -1, d) for src in srcs], 1)
+        mask_flatten = mx.concatenate([mask.reshape(b, -1) for mask in masks], 1)
+        pos_flatten = mx.concatenate(
+            [pos.reshape(b, -1, d) + self.level_embed[level] for level, pos in enumerate(pos_embeds)], 1
+        )
+        valid_ratios = mx.stack([self.valid_ratios(mask) for mask in masks], 1)  # (B, n_levels, 2)
+
+        memory = self.encoder(src_flatten, spatial_shapes, valid_ratios, pos_flatten, mask_flatten)
+
+        enc_class = enc_coord = None
+        if self.two_stage:
+            output_memory, proposals = self.encoder_proposals(memory, mask_flatten, spatial_shapes)
+            class_head, box_head = proposal_heads
+            enc_class = class_head(output_memory)
+            enc_coord = box_head(output_memory) + proposals
+            top = mx.argsort(-enc_class[..., 0], axis=1)[:, : self.two_stage_num_proposals]
+            top_coords = mx.stop_gradient(mx.take_along_axis(enc_coord, top[..., None], axis=1))
+            reference_points = mx.sigmoid(top_coords)
+            query_pos, tgt = mx.split(self.pos_trans_norm(self.pos_trans(self.proposal_pos_embed(top_coords))), 2, -1)
+        else:
+            query_pos, tgt = mx.split(query_embed, 2, -1)
+            query_pos = mx.broadcast_to(query_pos[None], (b, *query_pos.shape))
+            tgt = mx.broadcast_to(tgt[None], (b, *tgt.shape))
+            reference_points = mx.sigmoid(self.reference_points(query_pos))
+
+        hs, references = self.decoder(
+            tgt, reference_points, memory, spatial_shapes, valid_ratios, query_pos, mask_flatten, refine_heads
+        )
+        return hs, reference_points, references, enc_class, enc_coord

@@ -1,0 +1,42 @@
+"""Sine position encoding of a padded feature map, normalised to the unpadded extent."""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class PositionEmbeddingSine(nn.Module):
+    """(B, h, w) padding mask -> (B, h, w, 2 * num_pos_feats), channels [y features, x features].
+
+    As the authors' (Deformable DETR's variant of DETR's): positions are pixel centres (cumsum - 0.5)
+    divided by the unpadded extent, times `scale`."""
+
+    def __init__(self, num_pos_feats: int = 128, temperature: float = 10000, scale: float = 2 * math.pi):
+        super().__init__()
+        self.num_pos_feats, self.temperature, self.scale = num_pos_feats, temperature, scale
+
+    def __call__(self, mask: mx.array) -> mx.array:
+        not_mask = (~mask).astype(mx.float32)
+        y_embed = mx.cumsum(not_mask, axis=1)
+        x_embed = mx.cumsum(not_mask, axis=2)
+        eps = 1e-6
+        y_embed = (y_embed - 0.5) / (y_embed[:, -1:, :] + eps) * self.scale
+        x_embed = (x_embed - 0.5) / (x_embed[:, :, -1:] + eps) * self.scale
+        return mx.concatenate(
+            [
+                sine_embedding(y_embed, self.num_pos_feats, self.temperature),
+                sine_embedding(x_embed, self.num_pos_feats, self.temperature),
+            ],
+            axis=-1,
+        )
+
+
+def sine_embedding(positions: mx.array, num_feats: int, temperature: float) -> mx.array:
+    """Each position p -> [sin(p / t_0), cos(p / t_0), sin(p / t_1), cos(p / t_1), ...] with
+    t_i = temperature ** (2 * i / num_feats)."""
+    dim_t = mx.arange(num_feats, dtype=mx.float32)
+    dim_t = temperature ** (2 * (dim_t // 2) / num_feats)
+    angles = positions[..., None] / dim_t  # (..., num_feats)
+    interleaved = mx.stack([mx.sin(angles[..., 0::2]), mx.cos(angles[..., 1::2])], axis=-1)
+    return interleaved.reshape(*positions.shape, num_feats)

@@ -1,0 +1,99 @@
+"""The port against the authors' PyTorch model: weights rebuilt from the fixture's recipe, outputs
+compared with theirs (fixtures/reference, produced by their code on a CPU)."""
+
+from functools import cache
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from reference_weights import VARIANTS, manifest, reference, state_dict
+
+from deformable_detr import build_model, load_config, post_process
+from deformable_detr.convert import detect_variant, expected_shapes, sanitize
+
+# About 1e-4 relative, as the fixture's README says for float32 on a CPU.
+OUTPUT_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+IMAGE_SIZES = [[200, 280], [240, 200]]  # (h, w) of each image before padding
+
+
+@cache
+def run(variant):
+    """The port's outputs on the fixture's images, and the reference tensors."""
+    state = state_dict(variant)
+    options = detect_variant(state)
+    cfg = load_config(
+        None,
+        [
+            "model.dropout=0.0",
+            f"model.with_box_refine={str(options['with_box_refine']).lower()}",
+            f"model.two_stage={str(options['two_stage']).lower()}",
+        ],
+    )
+    model = build_model(cfg)
+    model.load_weights(list((k, mx.array(v)) for k, v in sanitize(state, expected_shapes(model), variant).items()))
+    model.eval()
+    ref = reference(variant)
+    out = model(mx.array(ref["images"].transpose(0, 2, 3, 1)), mx.array(ref["mask"].astype(bool)))
+    mx.eval(out)
+    return out, ref
+
+
+def layers(out, ref):
+    """(name, ours, reference) for the last decoder layer, every aux layer and the encoder proposals."""
+    pairs = [("", out)] + [(f"aux{i}.", aux) for i, aux in enumerate(out["aux_outputs"])]
+    if "enc_outputs" in out:
+        pairs.append(("enc.", out["enc_outputs"]))
+    for prefix, outputs in pairs:
+        for key in ("pred_logits", "pred_boxes"):
+            yield prefix + key, np.array(outputs[key]), ref[prefix + key]
+
+
+def query_permutation(out, ref):
+    """Two-stage picks its 300 queries by sorting encoder scores; where two scores differ by float
+    noise, the two implementations may order those queries differently. Match each reference query
+    to ours by its initial box and check that only such near-ties moved."""
+    ours = np.array(out["aux_outputs"][0]["pred_boxes"])
+    theirs = ref["aux0.pred_boxes"]
+    perm = np.stack([np.abs(ours[b][None] - theirs[b][:, None]).sum(-1).argmin(1) for b in range(len(ours))])
+    scores = np.array(out["enc_outputs"]["pred_logits"][..., 0])
+    for b in range(len(perm)):
+        assert sorted(perm[b]) == list(range(len(perm[b]))), "queries do not match one to one"
+        top = np.sort(scores[b])[::-1][: len(perm[b])]
+        for i in np.where(perm[b] != np.arange(len(perm[b])))[0]:
+            assert abs(top[i] - top[perm[b][i]]) < 1e-5, f"query {i} moved by more than a near-tie"
+    return perm
+
+
+def test_recipe_rebuilds_the_reference_weights():
+    for variant in VARIANTS:
+        state = state_dict(variant)
+        for key, (total, first) in manifest()["variants"][variant]["recipe_checks"].items():
+            assert float(state[key].astype(np.float64).sum()) == pytest.approx(total, rel=1e-5, abs=1e-4), key
+            assert state[key].reshape(-1)[0] == np.float32(first), key
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_outputs_match_the_authors(variant):
+    out, ref = run(variant)
+    perm = query_permutation(out, ref) if variant == "two_stage" else None
+    assert len(out["aux_outputs"]) == 5
+    for name, ours, theirs in layers(out, ref):
+        if perm is not None and not name.startswith("enc."):
+            ours = np.stack([ours[b][perm[b]] for b in range(len(ours))])
+        np.testing.assert_allclose(ours, theirs, **OUTPUT_TOLERANCE, err_msg=name)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_post_processed_detections_match_the_authors(variant):
+    out, ref = run(variant)
+    for i, detections in enumerate(post_process(out, IMAGE_SIZES)):
+        scores, labels, boxes = (np.array(detections[k]) for k in ("scores", "labels", "boxes"))
+        want_scores, want_labels, want_boxes = (ref[f"post{i}.{k}"] for k in ("scores", "labels", "boxes"))
+        np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-6)
+        for rank in range(len(scores)):
+            # detections whose scores tie to float noise may come in either order
+            candidates = np.where(np.abs(want_scores - scores[rank]) <= 1e-5)[0]
+            assert any(
+                want_labels[c] == labels[rank] and np.allclose(want_boxes[c], boxes[rank], rtol=1e-4, atol=1e-2)
+                for c in candidates
+            ), f"image {i}, detection {rank}: no reference detection with its score, label and box"
