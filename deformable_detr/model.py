@@ -155,9 +155,7 @@ def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
     boxes = mx.take_along_axis(box_cxcywh_to_xyxy(boxes), (top // num_classes)[..., None], axis=1)
     h, w = target_sizes[:, 0], target_sizes[:, 1]
     boxes = boxes * mx.stack([w, h, w, h], -1)[:, None, :]
-    return [
-        {"scores": s, "labels": c, "boxes": x} for s, c, x in zip(scores, labels, boxes, strict=True)
-    ]
+    return [{"scores": s, "labels": c, "boxes": x} for s, c, x in zip(scores, labels, boxes, strict=True)]
 
 
 def build_model(cfg: Config) -> DeformableDETR:
