@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+
 
 @dataclass
 class ModelConfig:

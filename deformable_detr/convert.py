@@ -16,7 +16,9 @@ are read with `torch.load(weights_only=True)`, allowing only `argparse.Namespace
 torch is needed only for `.pth` / `.bin` input (`pip install -e ".[convert]"`).
 """
 
+import argparse
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -59,12 +61,11 @@ def _read_torch(path: Path) -> tuple[dict, dict]:
         raise ConversionError(
             f"{path}: reading .pth / .bin files needs PyTorch; install it with pip install -e '.[convert]'"
         ) from None
-    import argparse as argparse_module
     import pickle
     import zipfile
 
     try:
-        with torch.serialization.safe_globals([argparse_module.Namespace]):
+        with torch.serialization.safe_globals([argparse.Namespace]):
             checkpoint = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         unsafe = re.search(r"GLOBAL ([\w.]+)", str(error))
@@ -73,7 +74,7 @@ def _read_torch(path: Path) -> tuple[dict, dict]:
             f"{path}: refused: the pickle asks for {what}; only tensors and argparse.Namespace are allowed"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0].split(". ")[0]
         raise ConversionError(
             f"{path}: not a readable PyTorch checkpoint (truncated or corrupt?): {first_line}"
         ) from None
@@ -82,7 +83,7 @@ def _read_torch(path: Path) -> tuple[dict, dict]:
             f"{path}: expected a dict (a state_dict or a checkpoint with 'model'), got {type(checkpoint).__name__}"
         )
     args = checkpoint.get("args")
-    args = vars(args) if isinstance(args, argparse_module.Namespace) else {}
+    args = vars(args) if isinstance(args, argparse.Namespace) else {}
     state = checkpoint.get("model", checkpoint)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConversionError(f"{path}: expected tensors in its state_dict")
@@ -93,40 +94,65 @@ def _read_torch(path: Path) -> tuple[dict, dict]:
 # the authors' layout -> this port
 
 
-def detect_variant(state: dict, args: dict | None = None) -> dict:
-    """Model options that the authors' state_dict keys (and `args`, when the checkpoint has them)
-    imply: two_stage, with_box_refine, num_feature_levels, dilation, backbone, sizes."""
-    args = args or {}
-    levels = len({k.split(".")[1] for k in state if k.startswith("input_proj.")})
-    dec_layers = len({k.split(".")[3] for k in state if k.startswith("transformer.decoder.layers.")})
-    layer3_blocks = len({k.split(".")[4] for k in state if k.startswith("backbone.0.body.layer3.")})
+def detect_variant(state: dict) -> dict:
+    """The model options that the authors' state_dict keys and shapes show."""
+
+    def count(prefix, position):
+        return len({k.split(".")[position] for k in state if k.startswith(prefix)})
+
     bottleneck = "backbone.0.body.layer1.0.conv3.weight" in state
-    backbone = {(True, 6): "resnet50", (True, 23): "resnet101", (False, 6): "resnet34", (False, 2): "resnet18"}.get(
-        (bottleneck, layer3_blocks), "unknown"
-    )
-    return {
-        "backbone": backbone,
+    backbone = {(True, 6): "resnet50", (True, 23): "resnet101", (False, 6): "resnet34", (False, 2): "resnet18"}
+    options = {
+        "backbone": backbone.get((bottleneck, count("backbone.0.body.layer3.", 4)), "unknown"),
         "two_stage": "transformer.enc_output.weight" in state,
-        "with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state),
-        "num_feature_levels": levels,
-        "dilation": bool(args.get("dilation", False)),
-        "num_classes": int(state["class_embed.0.weight"].shape[0]) if "class_embed.0.weight" in state else None,
-        "num_queries": int(state["query_embed.weight"].shape[0])
-        if "query_embed.weight" in state
-        else args.get("num_queries", 300),
-        "dec_layers": dec_layers,
+        "with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state)
+        or "class_embed.1.weight" in state
+        and not np.array_equal(state["class_embed.0.weight"], state["class_embed.1.weight"]),
+        "num_feature_levels": count("input_proj.", 1),
+        "enc_layers": count("transformer.encoder.layers.", 3),
+        "dec_layers": count("transformer.decoder.layers.", 3),
     }
+    shapes = {
+        "hidden_dim": ("transformer.level_embed", 1),
+        "dim_feedforward": ("transformer.encoder.layers.0.linear1.weight", 0),
+        "num_classes": ("class_embed.0.weight", 0),
+        "num_queries": ("query_embed.weight", 0),
+    }
+    for name, (key, axis) in shapes.items():
+        key = key if key in state else f"transformer.decoder.{key}"  # a file may keep only the tied copy
+        if key in state:
+            options[name] = int(state[key].shape[axis])
+    return options
+
+
+_ARG_NAMES = {  # the authors' args and Hugging Face config.json names -> ModelConfig fields
+    "dilation": "dilation",
+    "nheads": "nheads",
+    "encoder_attention_heads": "nheads",
+    "enc_n_points": "enc_n_points",
+    "encoder_n_points": "enc_n_points",
+    "dec_n_points": "dec_n_points",
+    "decoder_n_points": "dec_n_points",
+    "num_queries": "num_queries",
+}
+
+
+def model_options(state: dict, args: dict) -> dict:
+    """ModelConfig fields for a checkpoint: what its keys show, and from its args (the authors'
+    argparse Namespace or a Hugging Face config.json) what keys cannot show (heads, points, DC5)."""
+    from_args = {field: args[name] for name, field in _ARG_NAMES.items() if name in args}
+    return {**from_args, **detect_variant(state)}
 
 
 def config_for(variant: dict) -> str:
-    """The configs/ file of the authors' configuration a variant matches."""
+    """The name of the configs/ file of the authors' configuration a variant matches."""
     if variant["two_stage"]:
-        return "configs/r50_two_stage.yaml"
+        return "r50_two_stage.yaml"
     if variant["with_box_refine"]:
-        return "configs/r50_box_refine.yaml"
+        return "r50_box_refine.yaml"
     if variant["num_feature_levels"] == 1:
-        return "configs/r50_single_scale_dc5.yaml" if variant["dilation"] else "configs/r50_single_scale.yaml"
-    return "configs/r50.yaml"
+        return "r50_single_scale_dc5.yaml" if variant.get("dilation") else "r50_single_scale.yaml"
+    return "r50.yaml"
 
 
 def sanitize(state: dict, expected: dict | None = None, source: str = "checkpoint") -> dict:
@@ -144,16 +170,14 @@ def sanitize(state: dict, expected: dict | None = None, source: str = "checkpoin
             continue
         twin = _tied_twin(key, variant)
         if twin is not None:
-            if twin not in state:
-                raise ConversionError(f"{source}: {key} is tied to {twin}, which is missing")
-            if not np.array_equal(state[twin], value):
-                raise ConversionError(f"{source}: {key} should be tied to {twin} but differs from it")
-            continue
-        if value.ndim == 4 and expected is not None and key in expected:
-            if tuple(expected[key]) != tuple(value.shape):
-                value = value.transpose(0, 2, 3, 1)
-        elif value.ndim == 4 and expected is None:
-            value = value.transpose(0, 2, 3, 1)
+            kept = state.get(twin, out.get(twin))
+            if kept is not None:
+                if not np.array_equal(kept, value):
+                    raise ConversionError(f"{source}: {key} should be tied to {twin} but differs from it")
+                continue
+            key = twin  # the file kept only this copy of a tied tensor
+        if value.ndim == 4 and (expected is None or tuple(expected.get(key, ())) != value.shape):
+            value = value.transpose(0, 2, 3, 1)  # OIHW -> OHWI
         out[key] = np.ascontiguousarray(value)
     if expected is not None:
         check_keys(out, expected, source)
@@ -191,3 +215,198 @@ def expected_shapes(model) -> dict:
     from mlx.utils import tree_flatten
 
     return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face and torchvision layouts -> the authors' layout
+
+_HF_RULES = [  # (pattern, replacement) on Hugging Face DeformableDetrForObjectDetection keys
+    (r"^model\.input_proj\.", "input_proj."),
+    (r"^model\.query_position_embeddings\.", "query_embed."),
+    (r"^model\.level_embed$", "transformer.level_embed"),
+    (r"^model\.(reference_points|enc_output|enc_output_norm|pos_trans|pos_trans_norm)\.", r"transformer.\1."),
+    (r"^model\.decoder\.(bbox_embed|class_embed)\.", r"transformer.decoder.\1."),
+    (r"^model\.encoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"transformer.encoder.layers.\1.norm1."),
+    (r"^model\.encoder\.layers\.(\d+)\.(?:mlp\.)?fc1\.", r"transformer.encoder.layers.\1.linear1."),
+    (r"^model\.encoder\.layers\.(\d+)\.(?:mlp\.)?fc2\.", r"transformer.encoder.layers.\1.linear2."),
+    (r"^model\.encoder\.layers\.(\d+)\.final_layer_norm\.", r"transformer.encoder.layers.\1.norm2."),
+    (r"^model\.encoder\.layers\.(\d+)\.self_attn\.", r"transformer.encoder.layers.\1.self_attn."),
+    (
+        r"^model\.decoder\.layers\.(\d+)\.self_attn\.(?:o_proj|out_proj)\.",
+        r"transformer.decoder.layers.\1.self_attn.out_proj.",
+    ),
+    (r"^model\.decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"transformer.decoder.layers.\1.norm2."),
+    (r"^model\.decoder\.layers\.(\d+)\.encoder_attn\.", r"transformer.decoder.layers.\1.cross_attn."),
+    (r"^model\.decoder\.layers\.(\d+)\.encoder_attn_layer_norm\.", r"transformer.decoder.layers.\1.norm1."),
+    (r"^model\.decoder\.layers\.(\d+)\.(?:mlp\.)?fc1\.", r"transformer.decoder.layers.\1.linear1."),
+    (r"^model\.decoder\.layers\.(\d+)\.(?:mlp\.)?fc2\.", r"transformer.decoder.layers.\1.linear2."),
+    (r"^model\.decoder\.layers\.(\d+)\.final_layer_norm\.", r"transformer.decoder.layers.\1.norm3."),
+    (r"^(class_embed|bbox_embed)\.", r"\1."),
+]
+
+_HF_RESNET_RULES = [  # transformers' own ResNet -> torchvision names
+    (r"^embedder\.embedder\.convolution\.", "conv1."),
+    (r"^embedder\.embedder\.normalization\.", "bn1."),
+    (
+        r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.shortcut\.convolution\.",
+        lambda m: f"layer{int(m[1]) + 1}.{m[2]}.downsample.0.",
+    ),
+    (
+        r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.shortcut\.normalization\.",
+        lambda m: f"layer{int(m[1]) + 1}.{m[2]}.downsample.1.",
+    ),
+    (
+        r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.layer\.(\d+)\.convolution\.",
+        lambda m: f"layer{int(m[1]) + 1}.{m[2]}.conv{int(m[3]) + 1}.",
+    ),
+    (
+        r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.layer\.(\d+)\.normalization\.",
+        lambda m: f"layer{int(m[1]) + 1}.{m[2]}.bn{int(m[3]) + 1}.",
+    ),
+]
+
+
+def is_huggingface(state: dict) -> bool:
+    return any(k.startswith("model.encoder.layers.") for k in state)
+
+
+def huggingface_to_authors(state: dict, source: str = "checkpoint") -> dict:
+    """Hugging Face `DeformableDetrForObjectDetection` keys -> the authors' keys. The decoder's
+    separate q/k/v projections become one `in_proj` as in `torch.nn.MultiheadAttention`."""
+    out, qkv = {}, {}
+    for key, value in state.items():
+        if key.endswith("num_batches_tracked"):
+            continue
+        backbone = re.match(r"^model\.backbone\.(?:conv_encoder\.)?model\.(.*)$", key)
+        if backbone:
+            out["backbone.0.body." + _rename(backbone[1], _HF_RESNET_RULES)] = value
+            continue
+        projection = re.match(r"^model\.decoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$", key)
+        if projection:
+            qkv[(projection[1], projection[3], projection[2])] = value
+            continue
+        renamed = _rename(key, _HF_RULES)
+        if renamed == key and not key.startswith(("class_embed.", "bbox_embed.")):
+            raise ConversionError(f"{source}: unknown key {key}")
+        out[renamed] = value
+    for layer, kind in sorted({(layer, kind) for layer, kind, _ in qkv}):
+        parts = [qkv.get((layer, kind, p)) for p in "qkv"]
+        if any(p is None for p in parts):
+            raise ConversionError(f"{source}: decoder layer {layer} lacks one of its q/k/v projection {kind}s")
+        name = "in_proj_weight" if kind == "weight" else "in_proj_bias"
+        out[f"transformer.decoder.layers.{layer}.self_attn.{name}"] = np.concatenate(parts, 0)
+    return out
+
+
+def torchvision_resnet_to_backbone(state: dict, source: str = "checkpoint") -> dict:
+    """torchvision ResNet ImageNet weights -> the authors' backbone keys (the classifier dropped)."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith("fc.") or key.endswith("num_batches_tracked"):
+            continue
+        if not re.match(r"^(conv1|bn1|layer[1-4])\.", key):
+            raise ConversionError(f"{source}: unknown key {key} for a torchvision ResNet")
+        out["backbone.0.body." + key] = value
+    return out
+
+
+def _rename(key: str, rules) -> str:
+    for pattern, replacement in rules:
+        renamed, count = re.subn(pattern, replacement, key)
+        if count:
+            return renamed
+    return key
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m deformable_detr.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "src",
+        type=Path,
+        help="the authors' .pth, Hugging Face weights (file or folder), or "
+        "torchvision ResNet weights with --backbone-only",
+    )
+    parser.add_argument("dst", type=Path, help="the .safetensors file to write")
+    parser.add_argument("--backbone-only", action="store_true", help="convert torchvision ResNet ImageNet weights")
+    parser.add_argument(
+        "--dilation",
+        action="store_true",
+        help="the checkpoint is DC5 (not visible in its keys when the checkpoint has no args)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        weights, _, message = convert(args.src, backbone_only=args.backbone_only, dilation=args.dilation)
+    except ConversionError as error:
+        sys.exit(f"error: {error}")
+    save_weights(weights, args.dst)
+    print(message)
+    print(f"wrote {len(weights)} tensors to {args.dst}")
+
+
+def convert(src: Path, backbone_only: bool = False, dilation: bool = False) -> tuple[dict, dict, str]:
+    """Read, map and check a checkpoint. Returns the weights (for `model.load_weights`), the model
+    options they need (`overrides(options)` for `load_config`) and a message naming the variant and
+    the config to use."""
+    from .backbone import Backbone
+    from .config import CONFIGS_DIR, load_config
+    from .model import build_model
+
+    state, ckpt_args = read_checkpoint(src)
+    source = str(src)
+    if backbone_only:
+        state = torchvision_resnet_to_backbone(state, source)
+        name = detect_variant(state)["backbone"]
+        if name == "unknown":
+            raise ConversionError(f"{source}: not a ResNet-18/34/50/101 state_dict")
+        body = Backbone(name)
+        expected = {f"backbone.0.body.{k}": v for k, v in expected_shapes(body.body).items()}
+        return sanitize(state, expected, source), {"backbone": name}, f"backbone: {name} (backbone-only weights)"
+    if is_huggingface(state):
+        state = huggingface_to_authors(state, source)
+        ckpt_args = _huggingface_config(Path(src))
+    options = model_options(state, ckpt_args)
+    options["dilation"] = options.get("dilation", False) or dilation
+    model = build_model(load_config(None, overrides(options)))
+    weights = sanitize(state, expected_shapes(model), source)
+    config_name = config_for(options)
+    file_options = load_config(CONFIGS_DIR / config_name).model
+    differing = {k: v for k, v in options.items() if getattr(file_options, k) != v}
+    kind = ("two-stage, " if options["two_stage"] else "") + ("box refinement, " if options["with_box_refine"] else "")
+    message = (
+        f"variant: {options['backbone']}, {kind}{options['num_feature_levels']} feature level(s)"
+        f"{', DC5' if options['dilation'] else ''}\nconfig: configs/{config_name}"
+        + (f" with {' '.join(overrides(differing))}" if differing else "")
+    )
+    return weights, options, message
+
+
+def overrides(options: dict) -> list[str]:
+    """Model options as `load_config` overrides."""
+    return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()]
+
+
+def _huggingface_config(src: Path) -> dict:
+    """The config.json beside Hugging Face weights, if any."""
+    import json
+
+    path = (src if src.is_dir() else src.parent) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def save_weights(weights: dict, dst: Path):
+    """Write then rename, so an interrupted run never leaves a half-written file."""
+    from safetensors.numpy import save_file
+
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp))
+    tmp.replace(dst)
+
+
+if __name__ == "__main__":
+    main()

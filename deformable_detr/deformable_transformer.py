@@ -218,10 +218,10 @@ class DeformableTransformer(nn.Module):
         memory = mx.where(invalid, 0.0, memory)
         return self.enc_output_norm(self.enc_output(memory)), proposals
 
-    @staticmethod
-    def proposal_pos_embed(proposals, num_pos_feats=128, temperature=10000, scale=2 * math.pi):
-        """(B, K, 4) proposals in logit space -> (B, K, 4 * num_pos_feats) sine embedding."""
-        embedded = sine_embedding(mx.sigmoid(proposals) * scale, num_pos_feats, temperature)
+    def proposal_pos_embed(self, proposals, temperature=10000, scale=2 * math.pi):
+        """(B, K, 4) proposals in logit space -> (B, K, 2 * d_model) sine embedding (the authors fix
+        d_model / 2 = 128 features per coordinate; as Hugging Face, follow d_model)."""
+        embedded = sine_embedding(mx.sigmoid(proposals) * scale, self.d_model // 2, temperature)
         return embedded.reshape(*proposals.shape[:2], -1)
 
     def __call__(self, srcs, masks, pos_embeds, query_embed=None, proposal_heads=None, refine_heads=None):
