@@ -129,6 +129,11 @@ def _coerce(value, current, where):
         return value
     if isinstance(current, float) and isinstance(value, int):
         return float(value)
+    if isinstance(current, float) and isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if not isinstance(value, type(current)):
         raise ValueError(f"{where} must be {type(current).__name__}, got {value!r}")
     return value

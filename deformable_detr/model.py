@@ -151,7 +151,7 @@ def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
     prob = mx.sigmoid(logits).reshape(b, -1)
     top = mx.argsort(-prob, axis=1)[:, :top_k]
     scores = mx.take_along_axis(prob, top, axis=1)
-    labels = top % num_classes
+    labels = (top % num_classes).astype(mx.int32)
     boxes = mx.take_along_axis(box_cxcywh_to_xyxy(boxes), (top // num_classes)[..., None], axis=1)
     h, w = target_sizes[:, 0], target_sizes[:, 1]
     boxes = boxes * mx.stack([w, h, w, h], -1)[:, None, :]
