@@ -127,6 +127,16 @@ def test_disallowed_pickle_global(tmp_path, capsys):
     assert "refused: the pickle asks for the global posix.getcwd" in message
 
 
+def test_truncated_safetensors(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    save_file({"class_embed.0.weight": np.zeros((91, 256), np.float32)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    message = cli_error(capsys, tmp_path / "model.safetensors", tmp_path / "out.safetensors")
+    assert f"{tmp_path / 'model.safetensors'}: not a readable safetensors file" in message
+
+
 def test_missing_file(tmp_path, capsys):
     message = cli_error(capsys, tmp_path / "nothing.pth", tmp_path / "out.safetensors")
     assert message == f"error: {tmp_path / 'nothing.pth'}: no such file"
@@ -211,3 +221,12 @@ def test_huggingface_model_converts_and_matches(variant, tmp_path):
     ours = model(mx.array(images.permute(0, 2, 3, 1).numpy()), mx.array(mask.numpy()))
     np.testing.assert_allclose(np.array(ours["pred_logits"]), theirs.logits.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.array(ours["pred_boxes"]), theirs.pred_boxes.numpy(), rtol=1e-4, atol=1e-4)
+
+    # the same weights as pytorch_model.bin (older Hugging Face releases) convert to the same arrays
+    (tmp_path / "bin").mkdir()
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "config.json").read_text())
+    from_bin, _, _ = convert(tmp_path / "bin")
+    assert from_bin.keys() == weights.keys()
+    for key in weights:
+        np.testing.assert_array_equal(from_bin[key], weights[key], err_msg=key)
