@@ -1,14 +1,16 @@
-"""The port against the authors' PyTorch model: weights rebuilt from the fixture's recipe, outputs
-compared with theirs (fixtures/reference, produced by their code on a CPU)."""
+"""The port against the authors' PyTorch model: weights rebuilt from the fixture's recipe; outputs,
+losses and gradients compared with theirs (fixtures/reference, produced by their code on a CPU)."""
 
 from functools import cache
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from reference_weights import VARIANTS, manifest, reference, state_dict
 
-from deformable_detr import build_model, load_config, post_process
+from deformable_detr import build_criterion, build_model, load_config, post_process
 from deformable_detr.convert import detect_variant, expected_shapes, sanitize
 
 # About 1e-4 relative, as the fixture's README says for float32 on a CPU.
@@ -18,7 +20,8 @@ IMAGE_SIZES = [[200, 280], [240, 200]]  # (h, w) of each image before padding
 
 @cache
 def run(variant):
-    """The port's outputs on the fixture's images, and the reference tensors."""
+    """The port's outputs, losses (the fixture's targets) and gradients on the fixture's images, and
+    the reference tensors. The backbone is frozen: no reference gradient lies behind it."""
     state = state_dict(variant)
     options = detect_variant(state)
     cfg = load_config(
@@ -31,11 +34,23 @@ def run(variant):
     )
     model = build_model(cfg)
     model.load_weights(list((k, mx.array(v)) for k, v in sanitize(state, expected_shapes(model), variant).items()))
-    model.eval()
+    model.backbone[0].freeze()
+    criterion = build_criterion(cfg)
+    targets = [
+        {"labels": np.array(t["labels"]), "boxes": np.array(t["boxes"], np.float32)}
+        for t in manifest()["variants"][variant]["targets"]
+    ]
     ref = reference(variant)
-    out = model(mx.array(ref["images"].transpose(0, 2, 3, 1)), mx.array(ref["mask"].astype(bool)))
-    mx.eval(out)
-    return out, ref
+    images, mask = mx.array(ref["images"].transpose(0, 2, 3, 1)), mx.array(ref["mask"].astype(bool))
+
+    def loss_fn(model):
+        out = model(images, mask)
+        losses = criterion(out, targets)
+        return criterion.total(losses), (out, losses)
+
+    (total, (out, losses)), grads = nn.value_and_grad(model, loss_fn)(model)
+    mx.eval(total, out, losses, grads)
+    return out, losses, total, dict(tree_flatten(grads)), ref
 
 
 def layers(out, ref):
@@ -74,7 +89,7 @@ def test_recipe_rebuilds_the_reference_weights():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_outputs_match_the_authors(variant):
-    out, ref = run(variant)
+    out, *_, ref = run(variant)
     perm = query_permutation(out, ref) if variant == "two_stage" else None
     assert len(out["aux_outputs"]) == 5
     for name, ours, theirs in layers(out, ref):
@@ -85,7 +100,7 @@ def test_outputs_match_the_authors(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_post_processed_detections_match_the_authors(variant):
-    out, ref = run(variant)
+    out, *_, ref = run(variant)
     for i, detections in enumerate(post_process(out, IMAGE_SIZES)):
         scores, labels, boxes = (np.array(detections[k]) for k in ("scores", "labels", "boxes"))
         want_scores, want_labels, want_boxes = (ref[f"post{i}.{k}"] for k in ("scores", "labels", "boxes"))
@@ -97,3 +112,26 @@ def test_post_processed_detections_match_the_authors(variant):
                 want_labels[c] == labels[rank] and np.allclose(want_boxes[c], boxes[rank], rtol=1e-4, atol=1e-2)
                 for c in candidates
             ), f"image {i}, detection {rank}: no reference detection with its score, label and box"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_losses_match_the_authors(variant):
+    _, losses, total, _, _ = run(variant)
+    info = manifest()["variants"][variant]
+    assert set(losses) == set(info["losses"])
+    for key, want in info["losses"].items():
+        assert losses[key].item() == pytest.approx(want, rel=1e-3, abs=1e-6), key
+    assert total.item() == pytest.approx(info["total_loss"], rel=1e-3)
+    assert build_criterion(load_config()).weight_dict == info["weight_dict"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_gradients_match_the_authors(variant):
+    """sampling_offsets and attention_weights of encoder and decoder layers 0 and 5, to 1e-3 of
+    each tensor's largest entry."""
+    _, _, _, grads, ref = run(variant)
+    names = [k.removeprefix("grad.") for k in ref if k.startswith("grad.")]
+    assert len(names) == 16
+    for name in names:
+        want = ref["grad." + name]
+        np.testing.assert_allclose(np.array(grads[name]), want, rtol=1e-3, atol=1e-3 * np.abs(want).max(), err_msg=name)
