@@ -1,10 +1,168 @@
-"""Train Deformable DETR: `python train.py --config configs/r50.yaml`.
+"""Train Deformable DETR.
 
-Not built yet. The model (`deformable_detr/`) lands with issue 3 and this trainer with issue 4;
-what runs today is the attention core in `kernels/` (see README.md, "What runs today").
+    python train.py --config configs/r50.yaml [--output-dir DIR] [--resume CKPT] [--eval-only]
+                    [--weights W] [section.key=value ...]
+
+Several machines: `mlx.launch --hosts host1,host2 python train.py --config ...` (data parallel:
+gradients averaged with all_sum, each process its own share of every epoch, rank 0 writes).
 """
 
+import argparse
+import json
+import math
 import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import yaml
+from tqdm import tqdm
+
+from deformable_detr import build_criterion, build_model, load_config
+from deformable_detr.config import config_to_dict
+from deformable_detr.data import DataLoader, build_dataset
+from deformable_detr.engine import (
+    Trainer,
+    build_optimizer,
+    check_sampling_offsets,
+    freeze_for_training,
+    load_checkpoint,
+    sampling_offsets_grad_norms,
+    save_checkpoint,
+    seed_step,
+    set_epoch_learning_rates,
+)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a YAML file of configs/")
+    parser.add_argument("--output-dir", type=Path, help="default: output/<config name>")
+    parser.add_argument("--resume", type=Path, help="a checkpoint.safetensors written by this script")
+    parser.add_argument("--weights", type=Path, help="start from these weights (e.g. convert --backbone-only)")
+    parser.add_argument("--eval-only", action="store_true", help="evaluate and stop")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. schedule.batch_size=4")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    group = mx.distributed.init()
+    rank, world_size = group.rank(), group.size()
+    is_main = rank == 0
+    output_dir = args.output_dir or Path("output") / Path(args.config).stem
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+
+    mx.random.seed(cfg.seed)
+    model = build_model(cfg)
+    if args.weights:
+        model.load_weights(str(args.weights), strict=False)
+    freeze_for_training(model, cfg)
+    optimizer = build_optimizer(cfg)
+    criterion = build_criterion(cfg)
+    epoch, first_step, global_step = 0, 0, 0
+    if args.resume:
+        progress = load_checkpoint(args.resume, model, optimizer)
+        epoch, first_step, global_step = progress["epoch"], progress["step"], progress["global_step"]
+        if is_main:
+            print(f"resumed from {args.resume}: epoch {epoch}, step {first_step}")
+    if args.eval_only:
+        sys.exit("eval.py: COCO evaluation is not built yet (issue 5)")
+
+    loader = DataLoader(
+        build_dataset("train", cfg.data),
+        cfg.schedule.batch_size,
+        shuffle=True,
+        seed=cfg.seed,
+        num_workers=cfg.data.num_workers,
+        prefetch=cfg.data.prefetch,
+        rank=rank,
+        world_size=world_size,
+    )
+    trainer = Trainer(model, criterion, optimizer, cfg, group if world_size > 1 else None)
+    checkpoint = output_dir / "checkpoint.safetensors"
+    log = open(output_dir / "log.jsonl", "a") if is_main else None
+    max_steps = cfg.train.max_steps or math.inf
+
+    def save(at_epoch, at_step):
+        if is_main:
+            save_checkpoint(checkpoint, model, optimizer, cfg, at_epoch, at_step, global_step)
+
+    def write(record):
+        if log:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+    model.train()
+    step = first_step
+    try:
+        while epoch < cfg.schedule.epochs and global_step < max_steps:
+            set_epoch_learning_rates(optimizer, cfg, epoch)
+            bar = tqdm(total=loader.batches_per_epoch(), initial=step, desc=f"epoch {epoch}", disable=not is_main)
+            totals, count, started = {}, 0, time.perf_counter()
+            for images, mask, targets in loader.epoch(epoch, step):
+                tick = time.perf_counter()
+                seed_step(cfg.seed, global_step)
+                losses, grads, grad_norm = trainer.step(images, mask, targets)
+                if global_step == 0:
+                    norms = sampling_offsets_grad_norms(grads)
+                    write({"sampling_offsets_grad_norms": norms})
+                    if is_main:
+                        tqdm.write(
+                            "sampling_offsets gradient norms, first step: "
+                            + ", ".join(f"{k.replace('transformer.', '')} {v:.3g}" for k, v in norms.items())
+                        )
+                    if cfg.train.check_sampling_offsets:
+                        check_sampling_offsets(norms)
+                if not math.isfinite(losses["loss"]):
+                    save(epoch, step)
+                    sys.exit(f"loss is {losses['loss']} at epoch {epoch}, step {step}; stopping: {losses}")
+                step, global_step, count = step + 1, global_step + 1, count + 1
+                images_per_s = len(targets) * world_size / (time.perf_counter() - tick)
+                lr = optimizer.optimizers[-1].learning_rate.item()
+                for key, value in losses.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                if global_step % cfg.train.log_every == 0:
+                    write(
+                        {
+                            "epoch": epoch,
+                            "step": step,
+                            "global_step": global_step,
+                            "lr": lr,
+                            "grad_norm": grad_norm,
+                            "images_per_s": images_per_s,
+                            **losses,
+                        }
+                    )
+                bar.set_postfix(loss=f"{losses['loss']:.4g}", lr=f"{lr:.2g}", img_s=f"{images_per_s:.1f}")
+                bar.update()
+                if cfg.train.checkpoint_every and global_step % cfg.train.checkpoint_every == 0:
+                    save(epoch, step)
+                if global_step >= max_steps:
+                    break
+            bar.close()
+            write(
+                {
+                    "epoch": epoch,
+                    "epoch_steps": count,
+                    "global_step": global_step,
+                    "seconds": time.perf_counter() - started,
+                    **{k: v / max(count, 1) for k, v in totals.items()},
+                }
+            )
+            if step >= loader.batches_per_epoch():
+                epoch, step = epoch + 1, 0
+            save(epoch, step)
+    except KeyboardInterrupt:
+        save(epoch, step)
+        sys.exit(f"interrupted; checkpoint at epoch {epoch}, step {step}: {checkpoint}")
+    if is_main:
+        print(f"done: {global_step} steps; checkpoint {checkpoint}")
+
 
 if __name__ == "__main__":
-    sys.exit("train.py: the trainer is not built yet (issue 4); see README.md, 'What runs today'.")
+    main()

@@ -66,7 +66,23 @@ class ScheduleConfig:
 class DataConfig:
     dataset: str = "coco"
     coco_path: str = "data/coco"
-    num_workers: int = 2
+    num_workers: int = 2  # mlx-data threads decoding and augmenting
+    prefetch: int = 4  # batches prepared ahead
+    scales: list = field(default_factory=lambda: list(range(480, 801, 32)))  # train: shorter side, at random
+    max_size: int = 1333  # longer side at most
+    crop_resize: list = field(default_factory=lambda: [400, 500, 600])  # before the random crop
+    crop_size: list = field(default_factory=lambda: [384, 600])  # random crop side range
+    val_size: int = 800
+    skip_bad_images: bool = False  # False: a missing or unreadable image stops with its path
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 0  # stop after this many steps in all (0: run the whole schedule)
+    check_sampling_offsets: bool = True  # first step: stop if a sampling_offsets gradient is zero or not finite
+    checkpoint_every: int = 0  # also checkpoint every N steps (0: at the end of each epoch only)
+    log_every: int = 1  # steps between JSON-lines log records
+    eval_every: int = 1  # epochs between evaluations (0: never)
 
 
 @dataclass
@@ -77,6 +93,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 42
 
 

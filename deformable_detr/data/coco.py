@@ -1,0 +1,190 @@
+"""COCO detection read with pycocotools, augmented per sample, batched and padded, streamed by
+mlx-data worker threads with prefetch."""
+
+import contextlib
+import io
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from .transforms import make_transforms, normalize
+
+
+class BadImageError(RuntimeError):
+    """An image file that is missing or cannot be decoded; the message names it."""
+
+
+class CocoDetection:
+    """`root/{split}2017/` images and `root/annotations/instances_{split}2017.json`. Crowd boxes are
+    dropped, boxes clipped to the image, degenerate boxes removed (as the authors)."""
+
+    def __init__(self, root, split: str, transforms=None, skip_bad_images: bool = False):
+        root = Path(root)
+        self.image_dir = root / f"{split}2017"
+        self.annotation_file = root / "annotations" / f"instances_{split}2017.json"
+        for path in (self.image_dir, self.annotation_file):
+            if not path.exists():
+                raise FileNotFoundError(f"COCO {split} split: {path} does not exist (data.coco_path is {root})")
+        from pycocotools.coco import COCO
+
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
+            self.coco = COCO(str(self.annotation_file))
+        self.ids = sorted(self.coco.imgs)
+        self.transforms = transforms
+        self.skip_bad_images = skip_bad_images
+
+    def __len__(self):
+        return len(self.ids)
+
+    def load(self, index: int):
+        """-> (PIL RGB image, target with `boxes` x0, y0, x1, y1 pixels, `labels`, `image_id`, `orig_size`)."""
+        image_id = self.ids[index]
+        info = self.coco.imgs[image_id]
+        path = self.image_dir / info["file_name"]
+        try:
+            with Image.open(path) as image:
+                image = image.convert("RGB")
+        except FileNotFoundError:
+            raise BadImageError(f"{path}: image file not found (image id {image_id})") from None
+        except (UnidentifiedImageError, OSError) as error:
+            raise BadImageError(f"{path}: cannot read image (image id {image_id}): {error}") from None
+        width, height = image.size
+        annotations = [a for a in self.coco.imgToAnns.get(image_id, []) if not a.get("iscrowd", 0)]
+        boxes = np.array([a["bbox"] for a in annotations], dtype=np.float32).reshape(-1, 4)
+        boxes[:, 2:] += boxes[:, :2]
+        boxes[:, 0::2] = boxes[:, 0::2].clip(0, width)
+        boxes[:, 1::2] = boxes[:, 1::2].clip(0, height)
+        labels = np.array([a["category_id"] for a in annotations], dtype=np.int64)
+        keep = (boxes[:, 3] > boxes[:, 1]) & (boxes[:, 2] > boxes[:, 0])
+        target = {
+            "boxes": boxes[keep],
+            "labels": labels[keep],
+            "image_id": image_id,
+            "orig_size": np.array([height, width], np.int64),
+        }
+        return image, target
+
+    def sample(self, index: int, rng: np.random.Generator):
+        """-> (pixels (H, W, 3) normalised, target with boxes cx, cy, w, h normalised, `size`)."""
+        image, target = self.load(index)
+        if self.transforms is not None:
+            image, target = self.transforms(image, target, rng)
+        pixels, target = normalize(image, target)
+        return pixels, {**target, "size": np.array(pixels.shape[:2], np.int64)}
+
+
+def collate(samples):
+    """Pad images to the largest in the batch: -> images (B, H, W, 3), mask (B, H, W) True on
+    padding, and the targets."""
+    height = max(p.shape[0] for p, _ in samples)
+    width = max(p.shape[1] for p, _ in samples)
+    images = np.zeros((len(samples), height, width, 3), np.float32)
+    mask = np.ones((len(samples), height, width), bool)
+    for i, (pixels, _) in enumerate(samples):
+        images[i, : pixels.shape[0], : pixels.shape[1]] = pixels
+        mask[i, : pixels.shape[0], : pixels.shape[1]] = False
+    return images, mask, [t for _, t in samples]
+
+
+class DataLoader:
+    """Deterministic batches: the order is a permutation drawn from (seed, epoch), each sample's
+    augmentation from (seed, epoch, index), so a run resumed at any batch sees the same data.
+    Batches are loaded by `num_workers` mlx-data threads, `prefetch` batches ahead; with several
+    processes each takes every world_size-th batch of the same order."""
+
+    def __init__(self, dataset, batch_size, shuffle=True, seed=0, num_workers=2, prefetch=2, rank=0, world_size=1):
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.num_workers, self.prefetch, self.rank, self.world_size = num_workers, prefetch, rank, world_size
+        self.skipped = 0
+
+    def batches_per_epoch(self):
+        per_process = len(self.dataset) // self.world_size
+        return max(per_process // self.batch_size, 1 if per_process else 0)
+
+    def _batches(self, epoch):
+        order = np.arange(len(self.dataset))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        count = self.batches_per_epoch() * self.world_size
+        batches = [order[i * self.batch_size : (i + 1) * self.batch_size] for i in range(count)]
+        return batches[self.rank :: self.world_size]
+
+    def epoch(self, epoch: int, start: int = 0):
+        """Yield (images, mask, targets) for `epoch`, from batch `start` on."""
+        import mlx.data as dx
+
+        batches = self._batches(epoch)[start:]
+        if not batches:
+            return
+
+        def load(element):
+            """Runs in an mlx-data thread: nothing may escape it, errors travel back as text."""
+            samples, skipped = [], []
+            try:
+                for i in element["indices"].tolist():
+                    try:
+                        samples.append(self.dataset.sample(i, np.random.default_rng([self.seed, epoch, i])))
+                    except BadImageError as error:
+                        if not self.dataset.skip_bad_images:
+                            raise
+                        skipped.append(str(error))
+            except Exception as error:  # noqa: BLE001
+                return {**_pack([], []), "error": _text(f"{type(error).__name__}: {error}")}
+            return _pack(samples, skipped)
+
+        buffer = dx.buffer_from_vector([{"indices": np.asarray(b, np.int64)} for b in batches])
+        stream = buffer.to_stream().sample_transform(load).prefetch(self.prefetch, self.num_workers)
+        for element in stream:
+            if len(element["error"]):
+                kind, _, message = bytes(element["error"]).decode().partition(": ")
+                raise (BadImageError if kind == "BadImageError" else RuntimeError)(message)
+            for message in filter(None, bytes(element["skipped"]).decode().split("\n")):
+                self.skipped += 1
+                warnings.warn(f"skipping {message}", stacklevel=2)
+            if len(element["counts"]):
+                yield _unpack(element)
+
+
+def _text(message: str) -> np.ndarray:
+    return np.array(bytearray(message.encode()), dtype=np.uint8)
+
+
+def _pack(samples, skipped: list[str]):
+    """A batch as the flat arrays mlx-data carries between threads."""
+    images, mask, targets = (
+        collate(samples) if samples else (np.zeros((0, 1, 1, 3), np.float32), np.zeros((0, 1, 1), bool), [])
+    )
+    return {
+        "images": images,
+        "mask": mask.astype(np.uint8),  # mlx-data carries no bool
+        "skipped": _text("\n".join(skipped)),
+        "error": np.zeros(0, np.uint8),
+        "counts": np.array([len(t["labels"]) for t in targets], np.int64),
+        "labels": np.concatenate([t["labels"] for t in targets] or [np.zeros(0, np.int64)]),
+        "boxes": np.concatenate([t["boxes"] for t in targets] or [np.zeros((0, 4), np.float32)]),
+        "image_id": np.array([t["image_id"] for t in targets], np.int64),
+        "orig_size": np.array([t["orig_size"] for t in targets], np.int64).reshape(-1, 2),
+        "size": np.array([t["size"] for t in targets], np.int64).reshape(-1, 2),
+    }
+
+
+def _unpack(element):
+    ends = np.cumsum(element["counts"])
+    starts = ends - element["counts"]
+    targets = [
+        {
+            "labels": element["labels"][a:b],
+            "boxes": element["boxes"][a:b],
+            "image_id": int(element["image_id"][i]),
+            "orig_size": element["orig_size"][i],
+            "size": element["size"][i],
+        }
+        for i, (a, b) in enumerate(zip(starts, ends, strict=True))
+    ]
+    return element["images"], element["mask"].astype(bool), targets
+
+
+def build_dataset(split: str, data_cfg):
+    return CocoDetection(data_cfg.coco_path, split, make_transforms(split, data_cfg), data_cfg.skip_bad_images)

@@ -1,0 +1,118 @@
+"""A synthetic detection set written in COCO format: coloured shapes on textured backgrounds.
+
+Deterministic from its seed. Several classes, sizes from small to large, overlaps, several objects
+per image. `python -m deformable_detr.data.shapes ROOT` writes ROOT/{train2017,val2017}/*.png and
+ROOT/annotations/instances_{train,val}2017.json."""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+CATEGORIES = ["square", "circle", "triangle", "diamond", "cross"]
+
+
+def _draw_shape(draw, kind, x0, y0, size, color):
+    x1, y1 = x0 + size, y0 + size
+    if kind == "square":
+        draw.rectangle([x0, y0, x1, y1], fill=color)
+    elif kind == "circle":
+        draw.ellipse([x0, y0, x1, y1], fill=color)
+    elif kind == "triangle":
+        draw.polygon([(x0 + size / 2, y0), (x1, y1), (x0, y1)], fill=color)
+    elif kind == "diamond":
+        draw.polygon([(x0 + size / 2, y0), (x1, y0 + size / 2), (x0 + size / 2, y1), (x0, y0 + size / 2)], fill=color)
+    else:  # cross
+        third = size / 3
+        draw.rectangle([x0 + third, y0, x1 - third, y1], fill=color)
+        draw.rectangle([x0, y0 + third, x1, y1 - third], fill=color)
+
+
+def _background(rng, height, width):
+    """Smooth colour gradient plus noise and stripes: texture that is not any class."""
+    ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = rng.uniform(40, 200, 3)
+    slope = rng.uniform(-0.4, 0.4, (2, 3))
+    image = base + ys[..., None] * slope[0] / 4 + xs[..., None] * slope[1] / 4
+    period = rng.uniform(6, 20)
+    image += 12 * np.sin(2 * np.pi * (xs + ys * rng.uniform(-1, 1)) / period)[..., None]
+    image += rng.normal(0, 8, image.shape)
+    return Image.fromarray(image.clip(0, 255).astype(np.uint8))
+
+
+def make_image(rng, height, width, max_objects, min_size, max_size):
+    image = _background(rng, height, width)
+    draw = ImageDraw.Draw(image)
+    annotations = []
+    for _ in range(int(rng.integers(1, max_objects + 1))):
+        category = int(rng.integers(len(CATEGORIES)))
+        size = int(rng.integers(min_size, min(max_size, height, width) + 1))
+        x0, y0 = int(rng.integers(0, width - size + 1)), int(rng.integers(0, height - size + 1))
+        color = tuple(int(c) for c in rng.integers(0, 256, 3))
+        _draw_shape(draw, CATEGORIES[category], x0, y0, size, color)
+        annotations.append({"category_id": category + 1, "bbox": [x0, y0, size + 1, size + 1]})
+    return image, annotations
+
+
+def write_split(
+    root: Path,
+    split: str,
+    count: int,
+    seed: int,
+    height=(96, 160),
+    width=(96, 160),
+    max_objects=4,
+    min_size=12,
+    max_size=64,
+):
+    image_dir = root / f"{split}2017"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    images, annotations = [], []
+    for image_id in range(1, count + 1):
+        rng = np.random.default_rng([seed, image_id])
+        h, w = int(rng.integers(height[0], height[1] + 1)), int(rng.integers(width[0], width[1] + 1))
+        image, objects = make_image(rng, h, w, max_objects, min_size, max_size)
+        name = f"{image_id:012d}.png"
+        image.save(image_dir / name)
+        images.append({"id": image_id, "file_name": name, "height": h, "width": w})
+        for obj in objects:
+            x, y, bw, bh = obj["bbox"]
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": obj["category_id"],
+                    "bbox": [x, y, bw, bh],
+                    "area": bw * bh,
+                    "iscrowd": 0,
+                }
+            )
+    (root / "annotations").mkdir(parents=True, exist_ok=True)
+    categories = [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(CATEGORIES)]
+    with open(root / "annotations" / f"instances_{split}2017.json", "w") as f:
+        json.dump({"images": images, "annotations": annotations, "categories": categories}, f)
+
+
+def generate(root, num_train=200, num_val=50, seed=0, **sizes):
+    """Write the set under `root` (train from seed, val from seed + 1)."""
+    root = Path(root)
+    write_split(root, "train", num_train, seed, **sizes)
+    write_split(root, "val", num_val, seed + 1, **sizes)
+    return root
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--train", type=int, default=200)
+    parser.add_argument("--val", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    generate(args.root, args.train, args.val, args.seed)
+    print(f"wrote {args.train} train and {args.val} val images under {args.root}")
+
+
+if __name__ == "__main__":
+    main()

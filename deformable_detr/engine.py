@@ -1,0 +1,172 @@
+"""Training pieces: what trains at which learning rate, one optimisation step, the first-step
+gradient check, checkpoints. `train.py` strings them together."""
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from .config import Config, config_to_dict
+
+
+class GradientCheckError(RuntimeError):
+    """A `sampling_offsets` layer got a zero or non-finite gradient on the first step."""
+
+
+def freeze_for_training(model, cfg: Config):
+    """As the authors: frozen batch norm everywhere; the backbone's stem and layer1 never train, and
+    with lr_backbone 0 none of it does."""
+    body = model.backbone[0].body
+    if cfg.optimizer.lr_backbone <= 0:
+        body.freeze()
+        return
+    body.conv1.freeze()
+    for block in body.layer1:
+        block.freeze()
+
+
+def _matches(path: str, names) -> bool:
+    return any(name in path for name in names)
+
+
+def build_optimizer(cfg: Config) -> optim.MultiOptimizer:
+    """AdamW with the authors' three parameter groups: the backbone at lr_backbone,
+    reference_points / sampling_offsets at lr * lr_linear_proj_mult, the rest at lr."""
+    o = cfg.optimizer
+
+    def adamw(lr):
+        return optim.AdamW(
+            learning_rate=lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=o.weight_decay, bias_correction=True
+        )
+
+    return optim.MultiOptimizer(
+        [adamw(o.lr_backbone), adamw(o.lr * o.lr_linear_proj_mult), adamw(o.lr)],
+        [lambda path, _: path.startswith("backbone.0"), lambda path, _: _matches(path, o.lr_linear_proj_names)],
+    )
+
+
+def base_learning_rates(cfg: Config):
+    o = cfg.optimizer
+    return [o.lr_backbone, o.lr * o.lr_linear_proj_mult, o.lr]
+
+
+def set_epoch_learning_rates(optimizer, cfg: Config, epoch: int):
+    """Step decay: every rate x 0.1 once per `lr_drop` epochs (the authors' StepLR)."""
+    factor = 0.1 ** (epoch // cfg.schedule.lr_drop)
+    for sub, base in zip(optimizer.optimizers, base_learning_rates(cfg), strict=True):
+        sub.learning_rate = mx.array(base * factor)
+
+
+def sampling_offsets_grad_norms(grads) -> dict:
+    """Gradient norm of every sampling_offsets layer (weight and bias together), by module path."""
+    squares = {}
+    for path, grad in tree_flatten(grads):
+        match = re.match(r"(.*\.sampling_offsets)\.(weight|bias)$", path)
+        if match:
+            squares[match[1]] = squares.get(match[1], 0.0) + float((grad.astype(mx.float32) ** 2).sum().item())
+    return {path: math.sqrt(total) for path, total in squares.items()}
+
+
+def check_sampling_offsets(norms: dict):
+    bad = {path: norm for path, norm in norms.items() if not math.isfinite(norm) or norm == 0.0}
+    if not norms:
+        raise GradientCheckError("no sampling_offsets layer received a gradient: they would never learn where to look")
+    if bad:
+        listed = ", ".join(f"{path} = {norm}" for path, norm in bad.items())
+        raise GradientCheckError(
+            f"sampling_offsets gradient is zero or not finite on the first step: {listed} "
+            "(turn this check off with train.check_sampling_offsets=false)"
+        )
+
+
+def seed_step(seed: int, global_step: int):
+    """Seed MLX's generator (dropout) from the run's seed and the step."""
+    mx.random.seed((seed * 1_000_003 + global_step) % 2**32)
+
+
+class Trainer:
+    """One optimisation step: forward, matched losses, backward, (all-reduce), clip, AdamW.
+    `mx.eval` once per step. Hungarian matching runs on the CPU inside the loss."""
+
+    def __init__(self, model, criterion, optimizer, cfg: Config, group=None):
+        self.model, self.criterion, self.optimizer, self.cfg = model, criterion, optimizer, cfg
+        self.group = group
+        self.world_size = group.size() if group is not None else 1
+        self.loss_and_grad = nn.value_and_grad(model, self._loss)
+
+    def _loss(self, images, mask, targets, num_boxes):
+        losses = self.criterion(self.model(images, mask), targets, num_boxes)
+        return self.criterion.total(losses), losses
+
+    def num_boxes(self, targets) -> float:
+        """Target boxes per process, averaged over processes (the authors' normalisation)."""
+        count = mx.array(float(sum(len(t["labels"]) for t in targets)))
+        if self.world_size > 1:
+            count = mx.distributed.all_sum(count, group=self.group) / self.world_size
+        return max(count.item(), 1.0)
+
+    def step(self, images, mask, targets):
+        """-> (losses as floats, gradients before clipping, their global norm)."""
+        images, mask = mx.array(images), mx.array(mask)
+        (total, losses), grads = self.loss_and_grad(images, mask, targets, self.num_boxes(targets))
+        if self.world_size > 1:
+            grads = tree_map(lambda g: mx.distributed.all_sum(g, group=self.group) / self.world_size, grads)
+        max_norm = self.cfg.optimizer.clip_max_norm
+        clipped, grad_norm = optim.clip_grad_norm(grads, max_norm if max_norm > 0 else math.inf)
+        self.optimizer.update(self.model, clipped)
+        mx.eval(self.model.parameters(), self.optimizer.state, total, losses, grad_norm)
+        values = {k: v.item() for k, v in losses.items()}
+        values["loss"] = total.item()
+        if self.world_size > 1:  # report the mean over processes
+            stacked = mx.distributed.all_sum(mx.array([values[k] for k in values]), group=self.group)
+            values = dict(zip(values, (stacked / self.world_size).tolist(), strict=True))
+        return values, grads, grad_norm.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: one safetensors file (model, optimizer) with the progress and config as metadata. No
+# RNG state: each step seeds MLX's generator from (seed, step), and the data order and augmentations
+# come from (seed, epoch, index), so a resumed run draws what the uninterrupted one would.
+
+
+def save_checkpoint(path: Path, model, optimizer, cfg: Config, epoch: int, step: int, global_step: int):
+    """Write to a temporary file, then rename: an interrupted save never leaves a half-written
+    checkpoint in place of the last good one."""
+    arrays = {f"model.{k}": v for k, v in tree_flatten(model.parameters())}
+    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
+    metadata = {
+        "progress": json.dumps({"epoch": epoch, "step": step, "global_step": global_step}),
+        "config": json.dumps(config_to_dict(cfg)),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.safetensors")  # mx.save_safetensors insists on the suffix
+    mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    """Restore model and optimizer; return the progress (epoch, step, global_step) and config."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable checkpoint ({error})") from None
+    if "progress" not in metadata:
+        raise ValueError(
+            f"{path}: not a training checkpoint (no progress metadata); to start from weights, "
+            "load them into the model instead"
+        )
+    model.load_weights([(k[len("model.") :], v) for k, v in arrays.items() if k.startswith("model.")])
+    optimizer.state = tree_unflatten(
+        [(k[len("optimizer.") :], v) for k, v in arrays.items() if k.startswith("optimizer.")]
+    )
+    return {**json.loads(metadata["progress"]), "config": json.loads(metadata["config"])}

@@ -1,0 +1,125 @@
+"""COCO reading, the authors' augmentations, deterministic batching, bad files."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from deformable_detr import load_config
+from deformable_detr.data import BadImageError, CocoDetection, DataLoader, build_dataset
+from deformable_detr.data.shapes import generate
+from deformable_detr.data.transforms import crop, hflip, resize, resized_shape
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    return generate(tmp_path_factory.mktemp("shapes"), 12, 4, seed=5)
+
+
+def target(*boxes):
+    return {"boxes": np.array(boxes, np.float32).reshape(-1, 4), "labels": np.arange(len(boxes), dtype=np.int64)}
+
+
+def test_resized_shape_is_the_authors():
+    # get_size_with_aspect_ratio: shorter side to size, unless the longer would pass max_size
+    assert resized_shape(640, 480, 800, 1333) == (800, 1066)
+    assert resized_shape(480, 640, 800, 1333) == (1066, 800)
+    assert resized_shape(2000, 500, 800, 1333) == (333, 1332)  # size shrunk to round(1333 * 500 / 2000)
+    assert resized_shape(600, 800, 600) == (800, 600)  # already there
+
+
+def test_resize_scales_boxes():
+    image, t = resize(Image.new("RGB", (200, 100)), target([10, 20, 50, 60]), 50)
+    assert image.size == (100, 50)
+    np.testing.assert_allclose(t["boxes"], [[5, 10, 25, 30]])
+
+
+def test_hflip_mirrors_boxes():
+    image, t = hflip(Image.new("RGB", (100, 40)), target([10, 5, 30, 25]))
+    np.testing.assert_allclose(t["boxes"], [[70, 5, 90, 25]])
+
+
+def test_crop_clips_and_drops_boxes():
+    _, t = crop(
+        Image.new("RGB", (100, 100)), target([10, 10, 40, 40], [70, 70, 90, 90], [45, 5, 60, 50]), 20, 30, 40, 40
+    )
+    # region rows 20..60, cols 30..70: box 1 clipped, box 2 gone, box 3 clipped
+    np.testing.assert_allclose(t["boxes"], [[0, 0, 10, 20], [15, 0, 30, 30]])
+    np.testing.assert_array_equal(t["labels"], [0, 2])
+
+
+def test_coco_reading_drops_crowd_and_degenerate_boxes(tmp_path):
+    (tmp_path / "train2017").mkdir()
+    Image.new("RGB", (50, 40)).save(tmp_path / "train2017" / "a.png")
+    annotations = [
+        {"id": 1, "image_id": 1, "category_id": 3, "bbox": [5, 5, 10, 10], "iscrowd": 0, "area": 100},
+        {"id": 2, "image_id": 1, "category_id": 4, "bbox": [5, 5, 10, 10], "iscrowd": 1, "area": 100},
+        {"id": 3, "image_id": 1, "category_id": 5, "bbox": [20, 20, 0, 10], "iscrowd": 0, "area": 0},
+        {"id": 4, "image_id": 1, "category_id": 6, "bbox": [45, 30, 20, 20], "iscrowd": 0, "area": 400},
+    ]
+    (tmp_path / "annotations").mkdir()
+    (tmp_path / "annotations" / "instances_train2017.json").write_text(
+        json.dumps(
+            {
+                "images": [{"id": 1, "file_name": "a.png", "height": 40, "width": 50}],
+                "annotations": annotations,
+                "categories": [{"id": i, "name": str(i)} for i in range(1, 7)],
+            }
+        )
+    )
+    _, t = CocoDetection(tmp_path, "train").load(0)
+    np.testing.assert_array_equal(t["labels"], [3, 6])
+    np.testing.assert_allclose(t["boxes"], [[5, 5, 15, 15], [45, 30, 50, 40]])  # the last clipped to the image
+
+
+def test_batches_are_deterministic_padded_and_normalised(shapes):
+    cfg = load_config(
+        None,
+        [
+            f"data.coco_path={shapes}",
+            "data.scales=[64, 96]",
+            "data.max_size=128",
+            "data.crop_resize=[96]",
+            "data.crop_size=[48, 96]",
+        ],
+    )
+    loader = DataLoader(build_dataset("train", cfg.data), batch_size=3, seed=7)
+    first = list(loader.epoch(0))
+    again = list(loader.epoch(0))
+    other = list(loader.epoch(1))
+    assert len(first) == 4
+    for (images, mask, targets), (images2, _, targets2) in zip(first, again, strict=True):
+        np.testing.assert_array_equal(images, images2)
+        assert [t["image_id"] for t in targets] == [t["image_id"] for t in targets2]
+        for i, t in enumerate(targets):
+            h, w = t["size"]
+            assert not mask[i, :h, :w].any() and mask[i, h:].all() and mask[i, :, w:].all()
+            assert (t["boxes"] > 0).all() and (t["boxes"] <= 1).all()  # cx, cy, w, h normalised
+    assert [t["image_id"] for _, _, ts in first for t in ts] != [t["image_id"] for _, _, ts in other for t in ts]
+    resumed = list(loader.epoch(0, start=2))
+    np.testing.assert_array_equal(resumed[0][0], first[2][0])
+
+
+def test_missing_image_names_its_path(shapes, tmp_path):
+    import shutil
+
+    root = tmp_path / "broken"
+    shutil.copytree(shapes, root)
+    (root / "train2017" / "000000000003.png").unlink()
+    (root / "train2017" / "000000000005.png").write_bytes(b"not a png")
+    cfg = load_config(None, [f"data.coco_path={root}"])
+    loader = DataLoader(build_dataset("train", cfg.data), batch_size=2, shuffle=False)
+    with pytest.raises(BadImageError, match=r"000000000003\.png: image file not found \(image id 3\)"):
+        list(loader.epoch(0))
+    skipping = load_config(None, [f"data.coco_path={root}", "data.skip_bad_images=true"])
+    loader = DataLoader(build_dataset("train", skipping.data), batch_size=2, shuffle=False)
+    with pytest.warns(UserWarning, match=r"skipping .*000000000005\.png: cannot read image"):
+        batches = list(loader.epoch(0))
+    assert loader.skipped == 2
+    assert sum(len(targets) for _, _, targets in batches) == 10
+
+
+def test_missing_dataset_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"COCO val split: .*val2017 does not exist"):
+        CocoDetection(tmp_path, "val")

@@ -1,0 +1,123 @@
+"""Training: the loss goes down, a resumed run equals an uninterrupted one bit for bit, two processes
+equal one on the combined batch, and a zero sampling_offsets gradient stops the first step."""
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import train
+from deformable_detr import engine
+from deformable_detr.data.shapes import generate
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "fixtures" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    """16 train images of 64 x 64 (no padding, so batches of any split agree), 4 val."""
+    return generate(tmp_path_factory.mktemp("shapes"), 16, 4, seed=3, height=(64, 64), width=(64, 64), max_size=40)
+
+
+def run(shapes, output_dir, *overrides, resume=None):
+    argv = ["--config", str(TINY), "--output-dir", str(output_dir), f"data.coco_path={shapes}", *overrides]
+    train.main(argv + (["--resume", str(resume)] if resume else []))
+    return output_dir / "checkpoint.safetensors"
+
+
+def weights(checkpoint):
+    return {k: np.array(v) for k, v in mx.load(str(checkpoint)).items()}
+
+
+def epoch_losses(output_dir):
+    records = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "epoch_steps" in r]
+
+
+def test_a_few_epochs_lower_the_loss(shapes, tmp_path):
+    run(shapes, tmp_path, "schedule.epochs=4", "model.dropout=0.0")
+    losses = epoch_losses(tmp_path)
+    assert len(losses) == 4
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_resume_is_bit_for_bit(shapes, tmp_path):
+    """5 steps, stop (mid-epoch), resume for 4 more == 9 steps uninterrupted (model and optimizer
+    state); dropout on, so the random draws must line up too."""
+    stopped = run(shapes, tmp_path / "a", "train.max_steps=5")
+    progress = json.loads(mx.load(str(stopped), return_metadata=True)[1]["progress"])
+    assert (progress["epoch"], progress["step"], progress["global_step"]) == (0, 5, 5)
+    resumed = run(shapes, tmp_path / "b", "train.max_steps=9", resume=stopped)
+    straight = run(shapes, tmp_path / "c", "train.max_steps=9")
+    got, want = weights(resumed), weights(straight)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_zero_sampling_offsets_gradient_stops_the_first_step(shapes, tmp_path, monkeypatch):
+    """Reproduce the failure the check exists for: locations cut from the graph (what a gather-based
+    sampler without a grid gradient amounts to)."""
+    import kernels
+    from deformable_detr import ms_deform_attn as module
+
+    def blind(value, shapes_, start, locations, weights, **kwargs):
+        return kernels.ms_deform_attn(value, shapes_, start, mx.stop_gradient(locations), weights, **kwargs)
+
+    monkeypatch.setattr(module, "kernels", types.SimpleNamespace(ms_deform_attn=blind))
+    with pytest.raises(engine.GradientCheckError, match=r"encoder\.layers\.0\.self_attn\.sampling_offsets = 0\.0"):
+        run(shapes, tmp_path / "a", "train.max_steps=1")
+    run(shapes, tmp_path / "b", "train.max_steps=1", "train.check_sampling_offsets=false")  # the switch
+    norms = json.loads((tmp_path / "b" / "log.jsonl").read_text().splitlines()[0])["sampling_offsets_grad_norms"]
+    assert norms and all(v == 0.0 for v in norms.values())
+
+
+def test_first_step_logs_every_sampling_offsets_gradient(shapes, tmp_path):
+    run(shapes, tmp_path, "train.max_steps=1")
+    norms = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])["sampling_offsets_grad_norms"]
+    assert sorted(norms) == [
+        "transformer.decoder.layers.0.cross_attn.sampling_offsets",
+        "transformer.decoder.layers.1.cross_attn.sampling_offsets",
+        "transformer.encoder.layers.0.self_attn.sampling_offsets",
+    ]
+    assert all(np.isfinite(v) and v > 0 for v in norms.values())
+
+
+def test_two_processes_equal_one_on_the_combined_batch(shapes, tmp_path):
+    """Data parallel over the ring backend on loopback: batch 2 on each of 2 processes, one step,
+    against batch 4 in one process. Same images (the first 4 of the epoch's order), same update."""
+    single = run(shapes, tmp_path / "single", "train.max_steps=1", "schedule.batch_size=4", "model.dropout=0.0")
+    launcher = Path(sys.executable).parent / "mlx.launch"  # installed with mlx, beside this python
+    command = [
+        str(launcher),
+        "--backend",
+        "ring",
+        "--hosts",
+        "127.0.0.1",
+        "-n",
+        "2",
+        "--starting-port",
+        "47311",
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--config",
+        str(TINY),
+        "--output-dir",
+        str(tmp_path / "double"),
+        f"data.coco_path={shapes}",
+        "train.max_steps=1",
+        "schedule.batch_size=2",
+        "model.dropout=0.0",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    got, want = weights(tmp_path / "double" / "checkpoint.safetensors"), weights(single)
+    for key in want:
+        if key.startswith("model."):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
