@@ -62,6 +62,7 @@ def main(argv=None):
     if args.weights:
         model.load_weights(str(args.weights), strict=False)
     freeze_for_training(model, cfg)
+    mx.eval(model.parameters())  # materialise the initial weights once, before any step reseeds MLX's generator
     optimizer = build_optimizer(cfg)
     criterion = build_criterion(cfg)
     epoch, first_step, global_step = 0, 0, 0

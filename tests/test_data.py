@@ -123,3 +123,36 @@ def test_missing_image_names_its_path(shapes, tmp_path):
 def test_missing_dataset_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"COCO val split: .*val2017 does not exist"):
         CocoDetection(tmp_path, "val")
+
+
+class SlowDataset:
+    """Samples that take random times, so worker threads finish them out of order."""
+
+    skip_bad_images = False
+
+    def __len__(self):
+        return 24
+
+    def sample(self, index, rng):
+        import time
+
+        time.sleep(float(np.random.default_rng(index).uniform(0, 0.02)))
+        return np.full((4, 4, 3), index, np.float32), {
+            "labels": np.array([1]),
+            "boxes": np.full((1, 4), 0.5, np.float32),
+            "image_id": index,
+            "orig_size": np.array([4, 4]),
+            "size": np.array([4, 4]),
+        }
+
+
+def test_batches_come_in_order_whatever_the_threads_do():
+    import time
+
+    loader = DataLoader(SlowDataset(), batch_size=2, shuffle=False, num_workers=4, prefetch=6)
+    for trial in range(3):
+        ids = []
+        for _, _, targets in loader.epoch(trial):
+            ids += [t["image_id"] for t in targets]
+            time.sleep(0.01)  # a consumer busy with a training step
+        assert ids == list(range(24))

@@ -131,12 +131,16 @@ class DataLoader:
                             raise
                         skipped.append(str(error))
             except Exception as error:  # noqa: BLE001
-                return {**_pack([], []), "error": _text(f"{type(error).__name__}: {error}")}
-            return _pack(samples, skipped)
+                packed = {**_pack([], []), "error": _text(f"{type(error).__name__}: {error}")}
+            else:
+                packed = _pack(samples, skipped)
+            return {**packed, "position": element["position"]}
 
-        buffer = dx.buffer_from_vector([{"indices": np.asarray(b, np.int64)} for b in batches])
+        buffer = dx.buffer_from_vector(
+            [{"indices": np.asarray(b, np.int64), "position": np.array(i)} for i, b in enumerate(batches)]
+        )
         stream = buffer.to_stream().sample_transform(load).prefetch(self.prefetch, self.num_workers)
-        for element in stream:
+        for element in _in_order(stream):
             if len(element["error"]):
                 kind, _, message = bytes(element["error"]).decode().partition(": ")
                 raise (BadImageError if kind == "BadImageError" else RuntimeError)(message)
@@ -145,6 +149,16 @@ class DataLoader:
                 warnings.warn(f"skipping {message}", stacklevel=2)
             if len(element["counts"]):
                 yield _unpack(element)
+
+
+def _in_order(stream):
+    """mlx-data's worker threads may finish batches out of order: hold early ones back."""
+    waiting, expected = {}, 0
+    for element in stream:
+        waiting[int(element["position"])] = {k: np.array(v, copy=True) for k, v in element.items()}
+        while expected in waiting:
+            yield waiting.pop(expected)
+            expected += 1
 
 
 def _text(message: str) -> np.ndarray:
