@@ -121,3 +121,36 @@ def test_two_processes_equal_one_on_the_combined_batch(shapes, tmp_path):
     for key in want:
         if key.startswith("model."):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_parameter_groups_frozen_layers_and_lr_drop():
+    """The authors' recipe: backbone at lr_backbone (stem and layer1 frozen), sampling_offsets and
+    reference_points at lr x 0.1, the rest at lr; every rate x 0.1 from epoch lr_drop on."""
+    from mlx.utils import tree_flatten
+
+    from deformable_detr import build_model, load_config
+
+    cfg = load_config(None, ["model.backbone=resnet18", "model.enc_layers=1", "model.dec_layers=1"])
+    model = build_model(cfg)
+    engine.freeze_for_training(model, cfg)
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    assert not any(k.startswith(("backbone.0.body.conv1", "backbone.0.body.layer1")) for k in trainable)
+    assert not any(k.endswith(("running_mean", "running_var")) or ".bn" in k for k in trainable)  # frozen BN
+    assert "backbone.0.body.layer2.0.conv1.weight" in trainable
+
+    optimizer = engine.build_optimizer(cfg)
+    groups = optimizer._split_dictionary(trainable)
+    assert all(k.startswith("backbone.0") for k, _ in tree_flatten(groups[0]))
+    assert {k for k, _ in tree_flatten(groups[1])} == {
+        "transformer.reference_points.weight",
+        "transformer.reference_points.bias",
+        "transformer.encoder.layers.0.self_attn.sampling_offsets.weight",
+        "transformer.encoder.layers.0.self_attn.sampling_offsets.bias",
+        "transformer.decoder.layers.0.cross_attn.sampling_offsets.weight",
+        "transformer.decoder.layers.0.cross_attn.sampling_offsets.bias",
+    }
+    assert "transformer.level_embed" in dict(tree_flatten(groups[2]))
+    for epoch, factor in [(0, 1.0), (39, 1.0), (40, 0.1)]:
+        engine.set_epoch_learning_rates(optimizer, cfg, epoch)
+        rates = [o.learning_rate.item() for o in optimizer.optimizers]
+        np.testing.assert_allclose(rates, [2e-5 * factor, 2e-5 * factor, 2e-4 * factor], rtol=1e-6)
