@@ -1,9 +1,49 @@
-"""Evaluate a checkpoint on COCO with pycocotools: `python eval.py --config C --checkpoint W`.
+"""Evaluate a checkpoint on the val split with pycocotools (COCO box AP).
 
-Not built yet: it lands with issue 5; see README.md, "What runs today".
+    python eval.py --config configs/r50.yaml --checkpoint W [--coco-path P] [--batch-size N] [--output-dir D]
+
+W is a training checkpoint (train.py) or converted weights (python -m deformable_detr.convert).
+Prints pycocotools' 12-line summary; writes eval_results.json (AP, AP50, ..., ARl) and
+detections_val.json (COCO results format) to --output-dir (default: beside the checkpoint).
 """
 
-import sys
+import argparse
+import json
+from pathlib import Path
+
+from deformable_detr import build_model, load_config
+from deformable_detr.data import build_dataset
+from deformable_detr.evaluate import coco_stats, predict_detections
+from deformable_detr.fast_blas import use_mkl
+from deformable_detr.model import load_model_weights
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--coco-path", help="overrides data.coco_path")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--output-dir", type=Path)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = load_config(args.config, [f"data.coco_path={args.coco_path}"] if args.coco_path else [])
+    model = build_model(cfg)
+    load_model_weights(model, args.checkpoint)
+    dataset = build_dataset("val", cfg.data)
+    detections = predict_detections(model, dataset, args.batch_size, cfg.data.num_workers)
+    stats = coco_stats(dataset.coco, detections)
+    output_dir = args.output_dir or args.checkpoint.parent
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "detections_val.json").write_text(json.dumps(detections))
+    (output_dir / "eval_results.json").write_text(json.dumps(stats, indent=2))
+    print(f"wrote {output_dir / 'eval_results.json'} and {output_dir / 'detections_val.json'}")
+    return stats
+
 
 if __name__ == "__main__":
-    sys.exit("eval.py: COCO evaluation is not built yet (issue 5); see README.md, 'What runs today'.")
+    use_mkl()
+    main()

@@ -32,6 +32,10 @@ from deformable_detr.engine import (
     seed_step,
     set_epoch_learning_rates,
 )
+from deformable_detr.evaluate import coco_stats, predict_detections
+from deformable_detr.fast_blas import use_mkl
+from deformable_detr.predict import class_names, detect
+from deformable_detr.visualize import draw_detections, grid, plot_curves
 
 
 def parse_args(argv=None):
@@ -84,9 +88,16 @@ def main(argv=None):
         rank=rank,
         world_size=world_size,
     )
+    if loader.batches_per_epoch() == 0:
+        sys.exit(
+            f"the train split has {len(loader.dataset)} images: fewer than schedule.batch_size "
+            f"({cfg.schedule.batch_size}) x {world_size} process(es)"
+        )
     trainer = Trainer(model, criterion, optimizer, cfg, group if world_size > 1 else None)
+    val = build_dataset("val", cfg.data) if cfg.train.eval_every and is_main else None
     checkpoint = output_dir / "checkpoint.safetensors"
     log = open(output_dir / "log.jsonl", "a") if is_main else None
+    stats = None
     max_steps = cfg.train.max_steps or math.inf
 
     def save(at_epoch, at_step):
@@ -156,14 +167,55 @@ def main(argv=None):
                 }
             )
             if step >= loader.batches_per_epoch():
+                if val is not None and (epoch + 1) % cfg.train.eval_every == 0:
+                    stats = evaluate(model, val, cfg)
+                    write({"epoch": epoch, "eval": stats})
+                    tqdm.write(f"epoch {epoch}: AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}")
                 epoch, step = epoch + 1, 0
             save(epoch, step)
     except KeyboardInterrupt:
         save(epoch, step)
         sys.exit(f"interrupted; checkpoint at epoch {epoch}, step {step}: {checkpoint}")
     if is_main:
+        if val is not None:
+            stats = stats or evaluate(model, val, cfg)
+            (output_dir / "eval_results.json").write_text(json.dumps(stats, indent=2))
+            write_pictures(model, val, cfg, output_dir)
+            print(
+                f"AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}: {output_dir / 'eval_results.json'}; "
+                f"pictures: {output_dir / 'predictions.png'}, {output_dir / 'curves.png'}"
+            )
         print(f"done: {global_step} steps; checkpoint {checkpoint}")
 
 
+def evaluate(model, val, cfg):
+    """COCO box AP on the val split; leaves the model in training mode."""
+    detections = predict_detections(model, val, cfg.schedule.batch_size, cfg.data.num_workers)
+    model.train()
+    return coco_stats(val.coco, detections, verbose=False)
+
+
+def write_pictures(model, val, cfg, output_dir, count=6):
+    """predictions.png: the first val images with what the model finds; curves.png: loss and AP."""
+    model.eval()
+    names = class_names(cfg.data.coco_path)
+    drawn = []
+    for index in range(min(count, len(val))):
+        image, _ = val.load(index)
+        drawn.append(draw_detections(image, detect(model, image, cfg.data.val_size, cfg.data.max_size), names))
+    grid(drawn).save(output_dir / "predictions.png")
+    records = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
+    plot_curves(
+        {
+            "training loss (epoch mean)": [(r["epoch"], r["loss"]) for r in records if "epoch_steps" in r],
+            "val AP50": [(r["epoch"], r["eval"]["AP50"]) for r in records if "eval" in r],
+            "val AP": [(r["epoch"], r["eval"]["AP"]) for r in records if "eval" in r],
+        },
+        output_dir / "curves.png",
+    )
+    model.train()
+
+
 if __name__ == "__main__":
+    use_mkl()
     main()

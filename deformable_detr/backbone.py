@@ -90,17 +90,18 @@ def _sequential(layers, x):
 class ResNet(nn.Module):
     """torchvision's ResNet without the classifier; returns the outputs of layer2..layer4."""
 
-    def __init__(self, name: str, dilation: bool = False):
+    def __init__(self, name: str, dilation: bool = False, width: int = 64):
         super().__init__()
         if name not in ARCHITECTURES:
             raise ValueError(f"unknown backbone {name!r}; expected one of {', '.join(ARCHITECTURES)}")
         kind, depths = ARCHITECTURES[name]
         block = Bottleneck if kind == "bottleneck" else BasicBlock
-        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-        self.bn1 = FrozenBatchNorm2d(64)
+        widths = (width, 2 * width, 4 * width, 8 * width)  # torchvision: width 64
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = FrozenBatchNorm2d(width)
         self.maxpool = nn.MaxPool2d(3, 2, 1)
-        in_channels, current_dilation = 64, 1
-        for stage, (channels, depth) in enumerate(zip((64, 128, 256, 512), depths, strict=True)):
+        in_channels, current_dilation = width, 1
+        for stage, (channels, depth) in enumerate(zip(widths, depths, strict=True)):
             stride = 1 if stage == 0 else 2
             previous_dilation = current_dilation
             if dilation and stage == 3:  # DC5: the last stage keeps stride 16 and dilates instead
@@ -126,7 +127,7 @@ class ResNet(nn.Module):
                 )
                 in_channels = channels * block.expansion
             setattr(self, f"layer{stage + 1}", blocks)
-        self.num_channels = [c * block.expansion for c in (128, 256, 512)]
+        self.num_channels = [c * block.expansion for c in widths[1:]]
 
     def __call__(self, x):
         x = self.maxpool(nn.relu(self.bn1(self.conv1(x))))
@@ -155,9 +156,9 @@ class Backbone(nn.Module):
     """ResNet body; returns [(features (B, h, w, C), mask (B, h, w))] at strides 8/16/32, or the
     last only (`return_interm_layers=False`). Training freezes the stem and layer1, as the authors."""
 
-    def __init__(self, name: str, return_interm_layers: bool = True, dilation: bool = False):
+    def __init__(self, name: str, return_interm_layers: bool = True, dilation: bool = False, width: int = 64):
         super().__init__()
-        self.body = ResNet(name, dilation)
+        self.body = ResNet(name, dilation, width)
         self.return_interm_layers = return_interm_layers
         strides = [8, 16, 16 if dilation else 32]
         self.strides = strides if return_interm_layers else strides[-1:]

@@ -13,6 +13,7 @@ CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 @dataclass
 class ModelConfig:
     backbone: str = "resnet50"  # resnet18 | resnet34 | resnet50 | resnet101
+    backbone_width: int = 64  # channels of the first stage (torchvision: 64); smaller for a small model
     dilation: bool = False  # DC5: dilate the last stage instead of striding it
     num_feature_levels: int = 4
     hidden_dim: int = 256
@@ -49,6 +50,7 @@ class LossConfig:
 class OptimizerConfig:
     lr: float = 2e-4
     lr_backbone: float = 2e-5
+    freeze_stem_and_layer1: bool = True  # the authors' choice for a pretrained backbone
     lr_linear_proj_mult: float = 0.1  # for the parameters named below
     lr_linear_proj_names: list = field(default_factory=lambda: ["reference_points", "sampling_offsets"])
     weight_decay: float = 1e-4

@@ -20,11 +20,14 @@ class GradientCheckError(RuntimeError):
 
 
 def freeze_for_training(model, cfg: Config):
-    """As the authors: frozen batch norm everywhere; the backbone's stem and layer1 never train, and
-    with lr_backbone 0 none of it does."""
+    """As the authors: frozen batch norm everywhere; the backbone's stem and layer1 do not train
+    (unless `freeze_stem_and_layer1` is off, for a backbone trained from scratch), and with
+    lr_backbone 0 none of it does."""
     body = model.backbone[0].body
     if cfg.optimizer.lr_backbone <= 0:
         body.freeze()
+        return
+    if not cfg.optimizer.freeze_stem_and_layer1:
         return
     body.conv1.freeze()
     for block in body.layer1:

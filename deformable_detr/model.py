@@ -5,6 +5,7 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .backbone import Backbone, resize_mask
 from .box_ops import box_cxcywh_to_xyxy
@@ -160,7 +161,7 @@ def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
 
 def build_model(cfg: Config) -> DeformableDETR:
     m = cfg.model
-    backbone = Backbone(m.backbone, return_interm_layers=m.num_feature_levels > 1, dilation=m.dilation)
+    backbone = Backbone(m.backbone, m.num_feature_levels > 1, m.dilation, m.backbone_width)
     transformer = DeformableTransformer(
         d_model=m.hidden_dim,
         nhead=m.nheads,
@@ -184,3 +185,26 @@ def build_model(cfg: Config) -> DeformableDETR:
         with_box_refine=m.with_box_refine,
         two_stage=m.two_stage,
     )
+
+
+def load_model_weights(model: DeformableDETR, path) -> DeformableDETR:
+    """Load converted weights or the model part of a training checkpoint, strictly: a missing or
+    unknown key is an error naming it."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights not found: {path}")
+    try:
+        weights = mx.load(str(path))
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+    if any(k.startswith("model.") for k in weights):  # a training checkpoint
+        weights = {k[len("model.") :]: v for k, v in weights.items() if k.startswith("model.")}
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    missing, unknown = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unknown:
+        problem = f"missing key {missing[0]}" if missing else f"unknown key {unknown[0]}"
+        raise ValueError(f"{path}: {problem}; is it the checkpoint of this config's model?")
+    model.load_weights(list(weights.items()))
+    return model

@@ -118,9 +118,11 @@ def test_two_processes_equal_one_on_the_combined_batch(shapes, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     got, want = weights(tmp_path / "double" / "checkpoint.safetensors"), weights(single)
+    # Adam's first step moves each parameter by about lr * g / |g|: where a gradient entry is near
+    # zero, the different summation order of all_sum can tip it by a fraction of lr (1e-3).
     for key in want:
         if key.startswith("model."):
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
 
 
 def test_parameter_groups_frozen_layers_and_lr_drop():

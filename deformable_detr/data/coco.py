@@ -94,21 +94,24 @@ class DataLoader:
     Batches are loaded by `num_workers` mlx-data threads, `prefetch` batches ahead; with several
     processes each takes every world_size-th batch of the same order."""
 
-    def __init__(self, dataset, batch_size, shuffle=True, seed=0, num_workers=2, prefetch=2, rank=0, world_size=1):
+    def __init__(
+        self, dataset, batch_size, shuffle=True, seed=0, num_workers=2, prefetch=2, rank=0, world_size=1, drop_last=True
+    ):
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.drop_last = drop_last  # training: equal batches; evaluation: every image
         self.num_workers, self.prefetch, self.rank, self.world_size = num_workers, prefetch, rank, world_size
         self.skipped = 0
 
     def batches_per_epoch(self):
-        per_process = len(self.dataset) // self.world_size
-        return max(per_process // self.batch_size, 1 if per_process else 0)
+        return len(self._batches(0))
 
     def _batches(self, epoch):
         order = np.arange(len(self.dataset))
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
-        count = self.batches_per_epoch() * self.world_size
-        batches = [order[i * self.batch_size : (i + 1) * self.batch_size] for i in range(count)]
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if self.drop_last:  # whole batches only, the same number for every process
+            batches = batches[: len(order) // self.batch_size // self.world_size * self.world_size]
         return batches[self.rank :: self.world_size]
 
     def epoch(self, epoch: int, start: int = 0):
@@ -201,4 +204,11 @@ def _unpack(element):
 
 
 def build_dataset(split: str, data_cfg):
+    """The split a config's data section names; the built-in shapes set is generated when absent."""
+    if data_cfg.dataset == "shapes" and not (Path(data_cfg.coco_path) / "annotations").exists():
+        from .shapes import generate
+
+        generate(data_cfg.coco_path)
+    elif data_cfg.dataset not in ("coco", "shapes"):
+        raise ValueError(f"data.dataset {data_cfg.dataset!r}: expected coco or shapes")
     return CocoDetection(data_cfg.coco_path, split, make_transforms(split, data_cfg), data_cfg.skip_bad_images)

@@ -95,7 +95,7 @@ def write_split(
         json.dump({"images": images, "annotations": annotations, "categories": categories}, f)
 
 
-def generate(root, num_train=200, num_val=50, seed=0, **sizes):
+def generate(root, num_train=400, num_val=100, seed=0, **sizes):
     """Write the set under `root` (train from seed, val from seed + 1)."""
     root = Path(root)
     write_split(root, "train", num_train, seed, **sizes)
@@ -106,8 +106,8 @@ def generate(root, num_train=200, num_val=50, seed=0, **sizes):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path)
-    parser.add_argument("--train", type=int, default=200)
-    parser.add_argument("--val", type=int, default=50)
+    parser.add_argument("--train", type=int, default=400)
+    parser.add_argument("--val", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     generate(args.root, args.train, args.val, args.seed)
