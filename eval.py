@@ -1,6 +1,7 @@
 """Evaluate a checkpoint on the val split with pycocotools (COCO box AP).
 
     python eval.py --config configs/r50.yaml --checkpoint W [--coco-path P] [--batch-size N] [--output-dir D]
+                   [section.key=value ...]
 
 W is a training checkpoint (train.py) or converted weights (python -m deformable_detr.convert).
 Prints pycocotools' 12-line summary; writes eval_results.json (AP, AP50, ..., ARl) and
@@ -25,12 +26,13 @@ def parse_args(argv=None):
     parser.add_argument("--coco-path", help="overrides data.coco_path")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--output-dir", type=Path)
+    parser.add_argument("overrides", nargs="*", help="section.key=value, as for train.py")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    cfg = load_config(args.config, [f"data.coco_path={args.coco_path}"] if args.coco_path else [])
+    cfg = load_config(args.config, args.overrides + ([f"data.coco_path={args.coco_path}"] if args.coco_path else []))
     model = build_model(cfg)
     load_model_weights(model, args.checkpoint)
     dataset = build_dataset("val", cfg.data)

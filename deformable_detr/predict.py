@@ -1,6 +1,7 @@
 """Detect objects in image files and draw them.
 
-    python -m deformable_detr.predict --config C --checkpoint W [--threshold 0.5] [--output-dir D] IMAGE...
+    python -m deformable_detr.predict --config C --checkpoint W [--threshold 0.5] [--output-dir D]
+                                      [--set section.key=value ...] IMAGE...
 
 For each IMAGE writes D/<name>.png (boxes, class names, scores) and D/<name>.json (every top-100
 detection: label, name, score, box x0, y0, x1, y1 in pixels)."""
@@ -55,9 +56,10 @@ def main(argv=None):
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--threshold", type=float, default=0.5, help="draw detections scoring at least this")
     parser.add_argument("--output-dir", type=Path, default=Path("predictions"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("images", nargs="+", type=Path)
     args = parser.parse_args(argv)
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.set)
     try:
         images = [open_image(path) for path in args.images]  # every path checked before any work
         model = load_model_weights(build_model(cfg), args.checkpoint)

@@ -1,5 +1,9 @@
 """A synthetic detection set written in COCO format: coloured shapes on textured backgrounds.
 
+Five classes (square, circle, triangle, diamond, cross), each in its own jittered colour family;
+muted, striped, noisy backgrounds; sizes from 12 to 64 pixels in 96-160 pixel images; up to four
+objects per image, free to overlap.
+
 Deterministic from its seed. Several classes, sizes from small to large, overlaps, several objects
 per image. `python -m deformable_detr.data.shapes ROOT` writes ROOT/{train2017,val2017}/*.png and
 ROOT/annotations/instances_{train,val}2017.json."""
@@ -12,6 +16,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 CATEGORIES = ["square", "circle", "triangle", "diamond", "cross"]
+# Each class has its own colour family (jittered), on backgrounds of muted colours.
+COLORS = [(220, 40, 40), (40, 200, 60), (40, 80, 230), (235, 215, 30), (200, 40, 210)]
 
 
 def _draw_shape(draw, kind, x0, y0, size, color):
@@ -33,7 +39,7 @@ def _draw_shape(draw, kind, x0, y0, size, color):
 def _background(rng, height, width):
     """Smooth colour gradient plus noise and stripes: texture that is not any class."""
     ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
-    base = rng.uniform(40, 200, 3)
+    base = rng.uniform(60, 180) + rng.uniform(-15, 15, 3)  # a grey with a slight tint
     slope = rng.uniform(-0.4, 0.4, (2, 3))
     image = base + ys[..., None] * slope[0] / 4 + xs[..., None] * slope[1] / 4
     period = rng.uniform(6, 20)
@@ -50,7 +56,7 @@ def make_image(rng, height, width, max_objects, min_size, max_size):
         category = int(rng.integers(len(CATEGORIES)))
         size = int(rng.integers(min_size, min(max_size, height, width) + 1))
         x0, y0 = int(rng.integers(0, width - size + 1)), int(rng.integers(0, height - size + 1))
-        color = tuple(int(c) for c in rng.integers(0, 256, 3))
+        color = tuple(int(c) for c in np.clip(np.array(COLORS[category]) + rng.integers(-30, 31, 3), 0, 255))
         _draw_shape(draw, CATEGORIES[category], x0, y0, size, color)
         annotations.append({"category_id": category + 1, "bbox": [x0, y0, size + 1, size + 1]})
     return image, annotations

@@ -1,0 +1,116 @@
+"""eval.py against pycocotools called directly; predictions drawn; bad image paths named."""
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+from test_train import TINY
+
+import eval as eval_script
+import train
+from deformable_detr.data.shapes import generate
+from deformable_detr.evaluate import STAT_NAMES, coco_stats
+from deformable_detr.predict import main as predict_main
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model trained for a few epochs on a small generated set (so its AP is not all zeros)."""
+    root = generate(tmp_path_factory.mktemp("shapes"), 16, 6, seed=11, height=(64, 64), width=(64, 64), max_size=40)
+    output = tmp_path_factory.mktemp("run")
+    train.main(
+        [
+            "--config",
+            str(TINY),
+            "--output-dir",
+            str(output),
+            f"data.coco_path={root}",
+            "schedule.epochs=3",
+            "model.num_queries=20",
+        ]
+    )
+    return root, output
+
+
+def test_eval_equals_pycocotools_on_the_detections_it_wrote(trained, tmp_path):
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    root, output = trained
+    stats = eval_script.main(
+        [
+            "--config",
+            str(TINY),
+            "--checkpoint",
+            str(output / "checkpoint.safetensors"),
+            "--coco-path",
+            str(root),
+            "--output-dir",
+            str(tmp_path),
+            "model.num_queries=20",
+        ]
+    )
+    written = json.loads((tmp_path / "eval_results.json").read_text())
+    assert written == stats and list(written) == STAT_NAMES
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(root / "annotations" / "instances_val2017.json"))
+        evaluator = COCOeval(gt, gt.loadRes(str(tmp_path / "detections_val.json")), "bbox")
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+    np.testing.assert_allclose([stats[k] for k in STAT_NAMES], evaluator.stats, rtol=0, atol=1e-12)
+    assert stats["AR100"] > 0  # the model finds something: the comparison is not of zeros
+    detections = json.loads((tmp_path / "detections_val.json").read_text())
+    assert len(detections) == 6 * 100  # top 100 per image
+
+
+def test_ground_truth_as_detections_scores_ap_one(trained):
+    from pycocotools.coco import COCO
+
+    root, _ = trained
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(root / "annotations" / "instances_val2017.json"))
+    detections = [
+        {"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"], "score": 1.0}
+        for a in gt.dataset["annotations"]
+    ]
+    stats = coco_stats(gt, detections, verbose=False)
+    assert stats["AP"] == pytest.approx(1.0) and stats["AP50"] == pytest.approx(1.0)
+
+
+def test_predict_draws_and_names_bad_images(trained, tmp_path, capsys):
+    root, output = trained
+    image = root / "val2017" / "000000000001.png"
+    args = [
+        "--config",
+        str(TINY),
+        "--checkpoint",
+        str(output / "checkpoint.safetensors"),
+        "--output-dir",
+        str(tmp_path),
+        "--threshold",
+        "0.0",
+        "--set",
+        "model.num_queries=20",
+    ]
+    with pytest.raises(SystemExit, match=f"error: {tmp_path / 'nothing.png'}: no such image file"):
+        predict_main([*args, str(image), str(tmp_path / "nothing.png")])
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    with pytest.raises(SystemExit, match=r"broken\.png: cannot read it as an image"):
+        predict_main([*args, str(tmp_path / "broken.png")])
+    predict_main([*args, str(image)])
+    records = json.loads((tmp_path / "000000000001.json").read_text())
+    assert len(records) == 100 and {"label", "name", "score", "box"} <= set(records[0])
+    from PIL import Image
+
+    assert Image.open(tmp_path / "000000000001.png").size == Image.open(image).size
+
+
+def test_training_writes_eval_results_and_pictures(trained):
+    _, output = trained
+    stats = json.loads((output / "eval_results.json").read_text())
+    assert list(stats) == STAT_NAMES
+    for picture in ("predictions.png", "curves.png"):
+        assert (output / picture).stat().st_size > 1000
