@@ -76,7 +76,11 @@ def main(argv=None):
         if is_main:
             print(f"resumed from {args.resume}: epoch {epoch}, step {first_step}")
     if args.eval_only:
-        sys.exit("eval.py: COCO evaluation is not built yet (issue 5)")
+        stats = evaluate(model, build_dataset("val", cfg.data), cfg)
+        if is_main:
+            (output_dir / "eval_results.json").write_text(json.dumps(stats, indent=2))
+            print(json.dumps(stats, indent=2))
+        return
 
     loader = DataLoader(
         build_dataset("train", cfg.data),
