@@ -199,14 +199,16 @@ def evaluate(model, val, cfg):
     return coco_stats(val.coco, detections, verbose=False)
 
 
-def write_pictures(model, val, cfg, output_dir, count=6):
-    """predictions.png: the first val images with what the model finds; curves.png: loss and AP."""
+def write_pictures(model, val, cfg, output_dir, count=6, threshold=0.3):
+    """predictions.png: the first val images with what the model finds (scores >= threshold);
+    curves.png: loss and AP per epoch."""
     model.eval()
     names = class_names(cfg.data.coco_path)
     drawn = []
     for index in range(min(count, len(val))):
         image, _ = val.load(index)
-        drawn.append(draw_detections(image, detect(model, image, cfg.data.val_size, cfg.data.max_size), names))
+        detections = detect(model, image, cfg.data.val_size, cfg.data.max_size)
+        drawn.append(draw_detections(image, detections, names, threshold))
     grid(drawn).save(output_dir / "predictions.png")
     records = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
     plot_curves(

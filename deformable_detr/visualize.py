@@ -68,8 +68,8 @@ def plot_curves(series: dict, path, title: str = "", size=(720, 300)):
         for x, y in coords:
             pen.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(0, 90, 200))
         pen.text((left, 8), f"{title} {name}".strip(), fill="black")
-        pen.text((4, top), f"{y_hi:.3g}", fill="black")
-        pen.text((4, bottom - 10), f"{y_lo:.3g}", fill="black")
+        pen.text((i * width + 4, top), f"{y_hi:.3g}", fill="black")
+        pen.text((i * width + 4, bottom - 10), f"{y_lo:.3g}", fill="black")
         pen.text((left, bottom + 6), f"{x_lo:g}", fill="black")
         pen.text((right - 30, bottom + 6), f"{x_hi:g}", fill="black")
     canvas.save(path)
