@@ -1,0 +1,103 @@
+"""Time one training step of a config's model, on MLX's bundled BLAS and on MKL, in one run.
+
+    python bench/train_step.py [--config configs/shapes.yaml] [--steps 5] [--size 128] [--output FILE]
+
+Each side runs in its own process (a BLAS can only be chosen when a process starts): one with
+DEFORMABLE_DETR_MKL=0 and no LD_PRELOAD, one with MKL's runtime preloaded. Synthetic images
+(batch of the config's batch_size, size x size), two boxes each; median of --steps steps after
+one warm-up."""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(config: str, steps: int, size: int) -> dict:
+    import mlx.core as mx
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from deformable_detr import build_criterion, build_model, load_config
+    from deformable_detr.engine import Trainer, build_optimizer, freeze_for_training
+
+    cfg = load_config(config)
+    model = build_model(cfg)
+    freeze_for_training(model, cfg)
+    mx.eval(model.parameters())
+    trainer = Trainer(model, build_criterion(cfg), build_optimizer(cfg), cfg)
+    rng = np.random.default_rng(0)
+    batch = cfg.schedule.batch_size
+    images = rng.standard_normal((batch, size, size, 3)).astype(np.float32)
+    mask = np.zeros((batch, size, size), bool)
+    targets = [
+        {"labels": np.array([1, 2]), "boxes": np.array([[0.3, 0.3, 0.2, 0.2], [0.7, 0.6, 0.3, 0.2]], np.float32)}
+        for _ in range(batch)
+    ]
+    trainer.step(images, mask, targets)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        trainer.step(images, mask, targets)
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "batch": batch}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/shapes.yaml")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.config, args.steps, args.size)))
+        return
+
+    sys.path.insert(0, str(ROOT))
+    from deformable_detr.fast_blas import mkl_runtime
+
+    command = [
+        sys.executable,
+        __file__,
+        "--measure",
+        "--config",
+        args.config,
+        "--steps",
+        str(args.steps),
+        "--size",
+        str(args.size),
+    ]
+    base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    sides = {"MLX's bundled BLAS": dict(base_env, DEFORMABLE_DETR_MKL="0")}
+    if mkl_runtime() is not None:
+        sides["MKL (preloaded)"] = dict(base_env, LD_PRELOAD=str(mkl_runtime()))
+    results = {}
+    for name, env in sides.items():
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    baseline = results["MLX's bundled BLAS"]["median_s"]
+    lines = [
+        f"training step of {args.config}: batch {results[name]['batch']} x {args.size} x {args.size}, "
+        f"median of {args.steps} steps, {os.cpu_count()} CPUs",
+        "",
+        f"| {'BLAS':<20} | {'step (s)':>8} | {'speed-up':>8} |",
+        f"|{'-' * 22}|{'-' * 10}|{'-' * 10}|",
+    ]
+    for name, result in results.items():
+        lines.append(f"| {name:<20} | {result['median_s']:8.3f} | {baseline / result['median_s']:8.2f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
