@@ -24,7 +24,7 @@ def parse_args(argv=None):
     parser.add_argument("--config", required=True)
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--coco-path", help="overrides data.coco_path")
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, help="default: the config's schedule.batch_size")
     parser.add_argument("--output-dir", type=Path)
     parser.add_argument("overrides", nargs="*", help="section.key=value, as for train.py")
     return parser.parse_args(argv)
@@ -36,7 +36,8 @@ def main(argv=None) -> dict:
     model = build_model(cfg)
     load_model_weights(model, args.checkpoint)
     dataset = build_dataset("val", cfg.data)
-    detections = predict_detections(model, dataset, args.batch_size, cfg.data.num_workers)
+    batch_size = args.batch_size or cfg.schedule.batch_size
+    detections = predict_detections(model, dataset, batch_size, cfg.data.num_workers)
     stats = coco_stats(dataset.coco, detections)
     output_dir = args.output_dir or args.checkpoint.parent
     output_dir.mkdir(parents=True, exist_ok=True)

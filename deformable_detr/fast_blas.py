@@ -26,4 +26,4 @@ def use_mkl():
     if lib is None or "libmkl_rt" in preload:
         return
     env = dict(os.environ, LD_PRELOAD=f"{lib}:{preload}" if preload else str(lib))
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # orig_argv keeps `-m module`

@@ -114,3 +114,17 @@ def test_training_writes_eval_results_and_pictures(trained):
     assert list(stats) == STAT_NAMES
     for picture in ("predictions.png", "curves.png"):
         assert (output / picture).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("command", [["-m", "deformable_detr.predict"], ["eval.py"], ["train.py"]])
+def test_scripts_start_with_mkl_preloaded(command):
+    """The scripts re-execute themselves once with MKL preloaded (where it is installed); the
+    re-executed process must be the same command, `-m module` included."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, cwd=root, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage:" in result.stdout
