@@ -64,7 +64,7 @@ def main(argv=None):
     mx.random.seed(cfg.seed)
     model = build_model(cfg)
     if args.weights:
-        model.load_weights(str(args.weights), strict=False)
+        load_partial_weights(model, args.weights)
     freeze_for_training(model, cfg)
     mx.eval(model.parameters())  # materialise the initial weights once, before any step reseeds MLX's generator
     optimizer = build_optimizer(cfg)
@@ -190,6 +190,22 @@ def main(argv=None):
                 f"pictures: {output_dir / 'predictions.png'}, {output_dir / 'curves.png'}"
             )
         print(f"done: {global_step} steps; checkpoint {checkpoint}")
+
+
+def load_partial_weights(model, path):
+    """Start from some weights (e.g. a backbone from `convert --backbone-only`): every tensor in the
+    file must be a parameter of the model with the same shape; the rest keep their initialisation."""
+    from mlx.utils import tree_flatten
+
+    weights = mx.load(str(path))
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    for key, value in weights.items():
+        if key not in shapes:
+            sys.exit(f"error: {path}: {key} is not a parameter of this config's model")
+        if value.shape != shapes[key]:
+            sys.exit(f"error: {path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(shapes[key])}")
+    model.load_weights(list(weights.items()), strict=False)
+    print(f"started from {len(weights)} of {len(shapes)} tensors in {path}")
 
 
 def evaluate(model, val, cfg):

@@ -156,3 +156,34 @@ def test_parameter_groups_frozen_layers_and_lr_drop():
         engine.set_epoch_learning_rates(optimizer, cfg, epoch)
         rates = [o.learning_rate.item() for o in optimizer.optimizers]
         np.testing.assert_allclose(rates, [2e-5 * factor, 2e-5 * factor, 2e-4 * factor], rtol=1e-6)
+
+
+def test_weights_must_belong_to_the_model(shapes, tmp_path):
+    import mlx.core as mx
+
+    mx.save_safetensors(str(tmp_path / "w.safetensors"), {"backbone.0.body.conv2.weight": mx.zeros((2, 2))})
+    with pytest.raises(SystemExit, match=r"backbone\.0\.body\.conv2\.weight is not a parameter of this config's model"):
+        train.main(
+            [
+                "--config",
+                str(TINY),
+                "--output-dir",
+                str(tmp_path / "o"),
+                f"data.coco_path={shapes}",
+                "--weights",
+                str(tmp_path / "w.safetensors"),
+            ]
+        )
+    mx.save_safetensors(str(tmp_path / "w.safetensors"), {"backbone.0.body.conv1.weight": mx.zeros((2, 2))})
+    with pytest.raises(SystemExit, match=r"conv1\.weight has shape \(2, 2\); the model's is \(64, 7, 7, 3\)"):
+        train.main(
+            [
+                "--config",
+                str(TINY),
+                "--output-dir",
+                str(tmp_path / "o"),
+                f"data.coco_path={shapes}",
+                "--weights",
+                str(tmp_path / "w.safetensors"),
+            ]
+        )
