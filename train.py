@@ -34,6 +34,7 @@ from deformable_detr.engine import (
 )
 from deformable_detr.evaluate import coco_stats, predict_detections
 from deformable_detr.fast_blas import use_mkl
+from deformable_detr.model import load_model_weights
 from deformable_detr.predict import class_names, detect
 from deformable_detr.visualize import draw_detections, grid, plot_curves
 
@@ -64,7 +65,11 @@ def main(argv=None):
     mx.random.seed(cfg.seed)
     model = build_model(cfg)
     if args.weights:
-        load_partial_weights(model, args.weights)
+        try:
+            loaded = load_model_weights(model, args.weights, strict=False)
+        except (FileNotFoundError, ValueError) as error:
+            sys.exit(f"error: {error}")
+        print(f"started from {loaded} tensors of {args.weights}")
     freeze_for_training(model, cfg)
     mx.eval(model.parameters())  # materialise the initial weights once, before any step reseeds MLX's generator
     optimizer = build_optimizer(cfg)
@@ -190,22 +195,6 @@ def main(argv=None):
                 f"pictures: {output_dir / 'predictions.png'}, {output_dir / 'curves.png'}"
             )
         print(f"done: {global_step} steps; checkpoint {checkpoint}")
-
-
-def load_partial_weights(model, path):
-    """Start from some weights (e.g. a backbone from `convert --backbone-only`): every tensor in the
-    file must be a parameter of the model with the same shape; the rest keep their initialisation."""
-    from mlx.utils import tree_flatten
-
-    weights = mx.load(str(path))
-    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    for key, value in weights.items():
-        if key not in shapes:
-            sys.exit(f"error: {path}: {key} is not a parameter of this config's model")
-        if value.shape != shapes[key]:
-            sys.exit(f"error: {path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(shapes[key])}")
-    model.load_weights(list(weights.items()), strict=False)
-    print(f"started from {len(weights)} of {len(shapes)} tensors in {path}")
 
 
 def evaluate(model, val, cfg):

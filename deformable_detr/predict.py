@@ -62,7 +62,8 @@ def main(argv=None):
     cfg = load_config(args.config, args.set)
     try:
         images = [open_image(path) for path in args.images]  # every path checked before any work
-        model = load_model_weights(build_model(cfg), args.checkpoint)
+        model = build_model(cfg)
+        load_model_weights(model, args.checkpoint)
     except (FileNotFoundError, ValueError) as error:
         sys.exit(f"error: {error}")
     model.eval()
