@@ -187,12 +187,16 @@ class DeformableTransformer(nn.Module):
             self.reference_points.bias = mx.zeros_like(self.reference_points.bias)
 
     @staticmethod
-    def valid_ratios(mask):
-        """(B, h, w) padding mask -> (B, 2): unpadded fraction of width and height."""
-        _, h, w = mask.shape
+    def valid_extent(mask):
+        """(B, h, w) padding mask -> (B, 2): unpadded width and height, in pixels of the level."""
         valid_h = (~mask[:, :, 0]).sum(1).astype(mx.float32)
         valid_w = (~mask[:, 0, :]).sum(1).astype(mx.float32)
-        return mx.stack([valid_w / w, valid_h / h], -1)
+        return mx.stack([valid_w, valid_h], -1)
+
+    def valid_ratios(self, mask):
+        """(B, h, w) padding mask -> (B, 2): unpadded fraction of width and height."""
+        _, h, w = mask.shape
+        return self.valid_extent(mask) / mx.array([w, h], dtype=mx.float32)
 
     def encoder_proposals(self, memory, padding_mask, spatial_shapes):
         """Two-stage: one proposal box per encoder token (its pixel, a level-sized square), in logit
@@ -201,11 +205,9 @@ class DeformableTransformer(nn.Module):
         proposals, start = [], 0
         for level, (h, w) in enumerate(spatial_shapes):
             mask = padding_mask[:, start : start + h * w].reshape(b, h, w)
-            valid_h = (~mask[:, :, 0]).sum(1).astype(mx.float32)
-            valid_w = (~mask[:, 0, :]).sum(1).astype(mx.float32)
             grid_y, grid_x = mx.meshgrid(mx.arange(h, dtype=mx.float32), mx.arange(w, dtype=mx.float32), indexing="ij")
             grid = mx.stack([grid_x, grid_y], -1)[None]  # (1, h, w, 2)
-            scale = mx.stack([valid_w, valid_h], -1).reshape(b, 1, 1, 2)
+            scale = self.valid_extent(mask).reshape(b, 1, 1, 2)
             grid = (grid + 0.5) / scale
             size = mx.full(grid.shape, 0.05 * (2.0**level))
             proposals.append(mx.concatenate([grid, size], -1).reshape(b, -1, 4))
