@@ -25,9 +25,9 @@ def shapes(tmp_path_factory):
     return generate(tmp_path_factory.mktemp("shapes"), 16, 4, seed=3, height=(64, 64), width=(64, 64), max_size=40)
 
 
-def run(shapes, output_dir, *overrides, resume=None):
+def run(shapes, output_dir, *overrides, resume=None, weights=None):
     argv = ["--config", str(TINY), "--output-dir", str(output_dir), f"data.coco_path={shapes}", *overrides]
-    train.main(argv + (["--resume", str(resume)] if resume else []))
+    train.main(argv + (["--resume", str(resume)] if resume else []) + (["--weights", str(weights)] if weights else []))
     return output_dir / "checkpoint.safetensors"
 
 
@@ -159,31 +159,10 @@ def test_parameter_groups_frozen_layers_and_lr_drop():
 
 
 def test_weights_must_belong_to_the_model(shapes, tmp_path):
-    import mlx.core as mx
-
-    mx.save_safetensors(str(tmp_path / "w.safetensors"), {"backbone.0.body.conv2.weight": mx.zeros((2, 2))})
+    weights = tmp_path / "w.safetensors"
+    mx.save_safetensors(str(weights), {"backbone.0.body.conv2.weight": mx.zeros((2, 2))})
     with pytest.raises(SystemExit, match=r"backbone\.0\.body\.conv2\.weight is not a parameter of this config's model"):
-        train.main(
-            [
-                "--config",
-                str(TINY),
-                "--output-dir",
-                str(tmp_path / "o"),
-                f"data.coco_path={shapes}",
-                "--weights",
-                str(tmp_path / "w.safetensors"),
-            ]
-        )
-    mx.save_safetensors(str(tmp_path / "w.safetensors"), {"backbone.0.body.conv1.weight": mx.zeros((2, 2))})
+        run(shapes, tmp_path / "o", weights=weights)
+    mx.save_safetensors(str(weights), {"backbone.0.body.conv1.weight": mx.zeros((2, 2))})
     with pytest.raises(SystemExit, match=r"conv1\.weight has shape \(2, 2\); the model's is \(64, 7, 7, 3\)"):
-        train.main(
-            [
-                "--config",
-                str(TINY),
-                "--output-dir",
-                str(tmp_path / "o"),
-                f"data.coco_path={shapes}",
-                "--weights",
-                str(tmp_path / "w.safetensors"),
-            ]
-        )
+        run(shapes, tmp_path / "o", weights=weights)
