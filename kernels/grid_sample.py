@@ -9,6 +9,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from . import backends, fused
 from .checks import check_choice, check_float, check_rank, compute_dtype, fail
 from .sampling import bicubic_taps, bilinear_taps, nearest_taps, pad_coordinates
 
@@ -22,24 +23,33 @@ def grid_sample(
     mode: str = "bilinear",
     padding_mode: str = "zeros",
     align_corners: bool = False,
+    backend: str | None = None,
 ) -> mx.array:
     """Sample `input` (N, H, W, C) at `grid` (N, Ho, Wo, 2), x then y in [-1, 1] -> (N, Ho, Wo, C).
 
     Same numbers as `torch.nn.functional.grid_sample` on the NCHW-permuted input. float16 and
-    bfloat16 are computed in float32 and returned in the input's dtype.
+    bfloat16 are computed in float32 and returned in the input's dtype. `backend` as in
+    `ms_deform_attn`; the fused kernels are bilinear only.
     """
     check_choice("grid_sample", "mode", mode, MODES)
     check_choice("grid_sample", "padding_mode", padding_mode, PADDING_MODES)
+    check_choice("grid_sample", "backend", backend, (None, *backends.NAMES))
     check_float("grid_sample", input=input, grid=grid)
     check_rank("grid_sample", "input", input, 4, "(N, H, W, C)")
     check_rank("grid_sample", "grid", grid, 4, "(N, Ho, Wo, 2)")
     n, h, w, c = input.shape
     if grid.shape[0] != n or grid.shape[3] != 2:
         fail("grid_sample", "grid", grid.shape, f"(N, Ho, Wo, 2) = ({n}, Ho, Wo, 2)")
+    result_dtype = mx.result_type(input, grid)
+    unsupported = None if mode == "bilinear" else f"is bilinear only, not {mode!r}"
+    kernel = backends.select("grid_sample", backend, result_dtype, unsupported)
+    if kernel is not None:
+        sample = fused.grid_sample_core(kernel, padding_mode, bool(align_corners))
+        return sample(input.astype(result_dtype), grid.astype(result_dtype))
     dtype = compute_dtype(input, grid)
     sample = _sampler(mode, padding_mode, bool(align_corners))
     out = sample(input.astype(dtype), grid.astype(dtype))
-    return out.astype(mx.result_type(input, grid))
+    return out.astype(result_dtype)
 
 
 def _plan(grid: mx.array, height: int, width: int, mode: str, padding_mode: str, align_corners: bool):

@@ -7,13 +7,14 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from . import backends, fused
 from .checks import check_choice, check_float, check_rank, compute_dtype, fail
 from .sampling import bilinear_taps, pad_coordinates
 
 VALUE_LAYOUTS = ("BLNC", "BNLC")
 LOCATION_LAYOUTS = ("BQHLP2", "B2QHLP")
 PADDING_MODES = ("zeros", "border")
-BACKENDS = ("mlx",)
+BACKENDS = backends.NAMES
 
 OP = "ms_deform_attn"
 
@@ -40,6 +41,8 @@ def ms_deform_attn(
         "B2QHLP"; normalised to [0, 1], x first. align_corners=False maps u to u * W - 0.5,
         True to u * (W - 1).
     attention_weights: (B, Q, N_h, N_l, N_p).
+    backend: None picks a fused GPU kernel ("metal", "cuda") where one can run, else "mlx", the
+        MLX-ops path; naming one forces it (an error if it cannot run here).
     Returns (B, Q, N_h * C_h) in the inputs' dtype (float16 / bfloat16 computed in float32).
     """
     check_choice(OP, "backend", backend, (None, *BACKENDS))
@@ -49,13 +52,22 @@ def ms_deform_attn(
     check_float(OP, value=value, sampling_locations=sampling_locations, attention_weights=attention_weights)
     shapes = _spatial_shapes(spatial_shapes)
     _check_level_start_index(level_start_index, shapes)
-    value, locations = _canonical(value, sampling_locations, value_layout, sampling_locations_layout)
-    _check_shapes(value, shapes, locations, attention_weights, value_layout, sampling_locations_layout)
+    canonical_value, locations = _canonical(value, sampling_locations, value_layout, sampling_locations_layout)
+    _check_shapes(canonical_value, shapes, locations, attention_weights, value_layout, sampling_locations_layout)
 
+    result_dtype = mx.result_type(value, sampling_locations, attention_weights)
+    kernel = backends.select(OP, backend, result_dtype)
+    if kernel is not None:  # the fused kernels read both layouts as they are
+        attend = fused.ms_deform_attn_core(
+            kernel, shapes, bool(align_corners), padding_mode, value_layout, sampling_locations_layout
+        )
+        return attend(*(a.astype(result_dtype) for a in (value, sampling_locations, attention_weights)))
+
+    value = canonical_value
     dtype = compute_dtype(value, locations, attention_weights)
     attend = _mlx_core(shapes, bool(align_corners), padding_mode)
     out = attend(value.astype(dtype), locations.astype(dtype), attention_weights.astype(dtype))
-    return out.astype(mx.result_type(value, locations, attention_weights))
+    return out.astype(result_dtype)
 
 
 def _spatial_shapes(spatial_shapes) -> tuple[tuple[int, int], ...]:
