@@ -3,10 +3,13 @@
     python bench/attention.py [--repeats 5] [--threads 2] [--torch-device cpu] [--output FILE]
 
 Forward and forward+backward, median wall time of `--repeats` runs after one warm-up, for every
-backend of `kernels` that runs on this machine and for the authors' `ms_deform_attn_core_pytorch`
-(`F.grid_sample` per level) with `--threads` torch threads, or on CUDA with `--torch-device cuda`.
-`kernels` runs on MLX's default device. The ratio column is torch / ours: above 1 means ours is
-faster.
+backend of `kernels` that runs on this machine (`kernels.available_backends()`: the MLX-ops path,
+and the fused Metal or CUDA kernels where MLX has that back-end) and for the authors'
+`ms_deform_attn_core_pytorch` (`F.grid_sample` per level) with `--threads` torch threads, or on
+CUDA with `--torch-device cuda`; there, also the authors' compiled CUDA op when its extension
+(`MultiScaleDeformableAttention`, built from their repository, not by this one) is importable.
+`kernels` runs on MLX's default device. The ratio column is torch core / ours: above 1 means ours
+is faster.
 """
 
 import argparse
@@ -85,6 +88,31 @@ def time_torch(shapes, arrays, repeats, threads, device):
     return median_time(forward, repeats), median_time(forward_backward, repeats), torch.__version__
 
 
+def time_authors_cuda_op(shapes, arrays, repeats):
+    """The authors' compiled op, or None where its extension is not importable."""
+    try:
+        import MultiScaleDeformableAttention as extension
+        import torch
+    except ImportError:
+        return None
+    value, locations, weights = (torch.tensor(a, device="cuda") for a in arrays)
+    spatial_shapes = torch.tensor(shapes, dtype=torch.long, device="cuda")
+    starts = torch.cat([spatial_shapes.new_zeros(1), spatial_shapes.prod(1).cumsum(0)[:-1]])
+    step = 64  # the authors' im2col_step
+
+    def forward():
+        out = extension.ms_deform_attn_forward(value, spatial_shapes, starts, locations, weights, step)
+        torch.cuda.synchronize()
+        return out
+
+    def forward_backward():
+        out = forward()
+        extension.ms_deform_attn_backward(value, spatial_shapes, starts, locations, weights, torch.ones_like(out), step)
+        torch.cuda.synchronize()
+
+    return median_time(forward, repeats), median_time(forward_backward, repeats)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -111,15 +139,16 @@ def main():
         f"| {'implementation':<34} | {'forward':>8} | {'fwd+bwd':>8} | {'ratio fwd':>9} | {'ratio fwd+bwd':>13} |"
     )
     lines.append(f"|{'-' * 36}|{'-' * 10}|{'-' * 10}|{'-' * 11}|{'-' * 15}|")
-    lines.append(
-        f"| {'torch core (' + where + ')':<34} | {torch_fwd:8.3f} | {torch_both:8.3f} | {1.0:9.2f} | {1.0:13.2f} |"
-    )
-    for backend in kernels.BACKENDS:
-        fwd, both = time_kernels(backend, shapes, arrays, args.repeats)
-        lines.append(
-            f"| {'kernels, backend=' + backend:<34} | {fwd:8.3f} | {both:8.3f} | "
-            f"{torch_fwd / fwd:9.2f} | {torch_both / both:13.2f} |"
-        )
+
+    def row(name, fwd, both):
+        return f"| {name:<34} | {fwd:8.3f} | {both:8.3f} | {torch_fwd / fwd:9.2f} | {torch_both / both:13.2f} |"
+
+    lines.append(row(f"torch core ({where})", torch_fwd, torch_both))
+    authors_op = time_authors_cuda_op(shapes, arrays, args.repeats) if args.torch_device == "cuda" else None
+    if authors_op is not None:
+        lines.append(row("authors' CUDA op (cuda)", *authors_op))
+    for backend in kernels.available_backends():
+        lines.append(row(f"kernels, backend={backend}", *time_kernels(backend, shapes, arrays, args.repeats)))
     text = "\n".join(lines)
     print(text)
     if args.output:

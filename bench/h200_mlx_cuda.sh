@@ -2,8 +2,11 @@
 # One device check on an NVIDIA machine without network: MLX's CUDA build (mlx + mlx-cuda-13 wheels,
 # unpacked and recompressed as .dev/mlx_cuda_site.tar.xz.* because the wheel is over the 64 MiB a
 # call may carry) is installed into /tmp/site; then the test suite runs with MLX's GPU as the
-# default device, and bench/attention.py times the MLX-ops path on that GPU against the authors'
-# torch core on CUDA and on all CPU cores. Writes its log to $OUT (or ./device-out).
+# default device: `backend=None` takes the fused CUDA kernels there, so the PyTorch comparisons of
+# the kernels tests check them, and test_fused_kernels' real-GPU test compares them with the
+# MLX-ops path on every flag and layout. bench/attention.py then times every backend (MLX-ops path,
+# fused CUDA) against the authors' torch core on CUDA (and their compiled CUDA op, if importable)
+# and on all CPU cores. Writes its log to $OUT (or ./device-out).
 set -uo pipefail
 out=${OUT:-device-out}
 mkdir -p "$out" /tmp/site
@@ -16,7 +19,9 @@ mkdir -p "$out" /tmp/site
   export PYTHONPATH=/tmp/site:$PWD CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
   python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())"
   echo "== tests, MLX default device = GPU (float64 tests on the CPU device: MLX GPUs have no float64)"
-  python3 -m pytest -q -p no:cacheprovider --tb=short tests 2>&1 | tail -60
+  python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests 2>&1 | tail -60
+  echo "== the fused CUDA kernels against the MLX-ops path, on the GPU"
+  python3 -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_fused_kernels.py -k on_this_gpu 2>&1 | tail -20
   echo "== bench vs torch on CUDA"
   python3 bench/attention.py --repeats 10 --torch-device cuda
   echo "== bench vs torch on CPU ($(nproc) threads)"

@@ -3,7 +3,8 @@
 
 This package knows nothing of DETR."""
 
+from .backends import available as available_backends
 from .grid_sample import grid_sample
 from .ms_deform_attn import BACKENDS, ms_deform_attn
 
-__all__ = ["BACKENDS", "grid_sample", "ms_deform_attn"]
+__all__ = ["BACKENDS", "available_backends", "grid_sample", "ms_deform_attn"]

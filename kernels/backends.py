@@ -36,3 +36,8 @@ def select(op: str, backend: str | None, dtype: mx.Dtype, unsupported: str | Non
     if unsupported is not None:
         raise ValueError(f"{op}: backend {backend!r} {unsupported}; backend='mlx' has it")
     return fused
+
+
+def available() -> tuple[str, ...]:
+    """The back-ends that can run here, "mlx" first."""
+    return ("mlx", *(name for name, fused in FUSED.items() if fused.missing() is None))
