@@ -7,7 +7,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from . import backends, fused
+from . import backends, cpu, fused
 from .checks import check_choice, check_float, check_rank, compute_dtype, fail
 from .sampling import bilinear_taps, pad_coordinates
 
@@ -41,8 +41,8 @@ def ms_deform_attn(
         "B2QHLP"; normalised to [0, 1], x first. align_corners=False maps u to u * W - 0.5,
         True to u * (W - 1).
     attention_weights: (B, Q, N_h, N_l, N_p).
-    backend: None picks a fused GPU kernel ("metal", "cuda") where one can run, else "mlx", the
-        MLX-ops path; naming one forces it (an error if it cannot run here).
+    backend: None picks a fused GPU kernel ("metal", "cuda") or the C++ CPU kernel ("cpu") where one
+        can run, else "mlx", the MLX-ops path; naming one forces it (an error if it cannot run here).
     Returns (B, Q, N_h * C_h) in the inputs' dtype (float16 / bfloat16 computed in float32).
     """
     check_choice(OP, "backend", backend, (None, *BACKENDS))
@@ -56,11 +56,13 @@ def ms_deform_attn(
     _check_shapes(canonical_value, shapes, locations, attention_weights, value_layout, sampling_locations_layout)
 
     result_dtype = mx.result_type(value, sampling_locations, attention_weights)
-    kernel = backends.select(OP, backend, result_dtype)
-    if kernel is not None:  # the fused kernels read both layouts as they are
-        attend = fused.ms_deform_attn_core(
-            kernel, shapes, bool(align_corners), padding_mode, value_layout, sampling_locations_layout
-        )
+    kernel = backends.select(OP, backend, result_dtype, cpu_kernel=True)
+    if kernel is not None:  # the kernels read both layouts as they are
+        flags = (bool(align_corners), padding_mode, value_layout, sampling_locations_layout)
+        if kernel.name == "cpu":
+            attend = cpu.ms_deform_attn_core(shapes, *flags)
+        else:
+            attend = fused.ms_deform_attn_core(kernel, shapes, *flags)
         return attend(*(a.astype(result_dtype) for a in (value, sampling_locations, attention_weights)))
 
     value = canonical_value

@@ -1,0 +1,212 @@
+"""R50 Deformable DETR on the CPU, this port against PyTorch, in one run: inference and a training step.
+
+    python bench/model.py [--task inference|train|both] [--repeats 3] [--threads N] [--output-dir DIR]
+
+PyTorch side: Hugging Face's `DeformableDetrForObjectDetection` (the authors' architecture: ResNet-50,
+6 + 6 layers, 300 queries, 4 levels, 91 classes; its deformable attention core is PyTorch ops on
+the CPU, as the authors' `ms_deform_attn_core_pytorch`), random weights, `--threads` torch threads,
+stem and layer1 frozen for training as the authors do. Ours: `configs/r50.yaml`, MKL preloaded
+(as `train.py` and `eval.py` run), the attention on the fastest backend here. Each side runs in its
+own process, which reports its median time over `--repeats` after a warm-up and its peak resident
+memory (ru_maxrss, the whole process: Python, libraries, weights and activations).
+
+Inference: batch 1 at 800 x 1066 (the authors' evaluation size), images/s. Training: batch 2 at
+`--train-size` (default 800 x 1066), forward, Hungarian matching, losses, backward and an AdamW step.
+Writes `model_cpu.txt` and `model_cpu.png` to --output-dir (default bench/results).
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZE = (800, 1066)
+
+
+def median_time(run, repeats):
+    run()  # warm-up (and, for MLX, the first call's graph and kernel setup)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def targets_for(batch):
+    boxes = [[0.3, 0.3, 0.2, 0.2], [0.7, 0.6, 0.3, 0.2], [0.5, 0.5, 0.6, 0.5]]
+    return [{"labels": [1, 17, 62], "boxes": boxes} for _ in range(batch)]
+
+
+def measure_ours(task, repeats, size):
+    import mlx.core as mx
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    import kernels
+    from deformable_detr import build_criterion, build_model, load_config
+    from deformable_detr.engine import Trainer, build_optimizer, freeze_for_training
+
+    cfg = load_config(ROOT / "configs" / "r50.yaml", [] if task == "train" else ["model.dropout=0.0"])
+    model = build_model(cfg)
+    rng = np.random.default_rng(0)
+    batch = 1 if task == "inference" else 2
+    images = rng.standard_normal((batch, *size, 3)).astype(np.float32)
+    mask = np.zeros((batch, *size), bool)
+    if task == "inference":
+        model.eval()
+        mx.eval(model.parameters())
+        x, m = mx.array(images), mx.array(mask)
+        seconds = median_time(lambda: mx.eval(model(x, m)), repeats)
+    else:
+        freeze_for_training(model, cfg)
+        mx.eval(model.parameters())
+        trainer = Trainer(model, build_criterion(cfg), build_optimizer(cfg), cfg)
+        targets = [
+            {k: np.array(v, np.float32 if k == "boxes" else np.int64) for k, v in t.items()} for t in targets_for(batch)
+        ]
+        seconds = median_time(lambda: trainer.step(images, mask, targets), repeats)
+    backend = kernels.available_backends()[-1]
+    return {"seconds": seconds, "batch": batch, "versions": f"mlx {mx.__version__}, attention backend {backend}"}
+
+
+def measure_torch(task, repeats, size, threads):
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = transformers.DeformableDetrConfig(
+        use_timm_backbone=False,
+        use_pretrained_backbone=False,
+        backbone_config=transformers.ResNetConfig(out_features=["stage2", "stage3", "stage4"]),
+        dropout=0.0 if task == "inference" else 0.1,
+    )
+    model = transformers.DeformableDetrForObjectDetection(config)
+    batch = 1 if task == "inference" else 2
+    images = torch.randn(batch, 3, *size)
+    pixel_mask = torch.ones(batch, *size, dtype=torch.long)
+    if task == "inference":
+        model.eval()
+
+        def run():
+            with torch.no_grad():
+                model(pixel_values=images, pixel_mask=pixel_mask)
+
+    else:
+        model.train()
+        for name, parameter in model.named_parameters():  # the authors freeze the stem and layer1
+            if ".backbone." in name and (".embedder." in name or ".stages.0." in name):
+                parameter.requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+        labels = [
+            {"class_labels": torch.tensor(t["labels"]), "boxes": torch.tensor(t["boxes"])} for t in targets_for(batch)
+        ]
+
+        def run():
+            optimizer.zero_grad()
+            model(pixel_values=images, pixel_mask=pixel_mask, labels=labels).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            optimizer.step()
+
+    seconds = median_time(run, repeats)
+    return {"seconds": seconds, "batch": batch, "versions": f"torch {torch.__version__}, {threads} threads"}
+
+
+def run_side(side, task, repeats, size, threads):
+    """One side in its own process: its peak memory is its own."""
+    sys.path.insert(0, str(ROOT))
+    from deformable_detr.fast_blas import mkl_runtime
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if side == "ours" and mkl_runtime() is not None:
+        env["LD_PRELOAD"] = str(mkl_runtime())
+    command = [sys.executable, __file__, "--measure", side, "--task", task, "--repeats", str(repeats)]
+    command += ["--threads", str(threads), "--train-size", f"{size[0]}x{size[1]}"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{side} {task} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bar_chart(rows, path):
+    """Seconds per image, ours against PyTorch, one pair of bars per task."""
+    from PIL import Image, ImageDraw
+
+    width, height, left, bar = 720, 90 + 110 * len(rows), 160, 34
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((20, 15), "R50 Deformable DETR on the CPU: seconds per image (shorter is faster)", fill="black")
+    longest = max(max(r["torch"], r["ours"]) for r in rows)
+    for i, row in enumerate(rows):
+        top = 60 + 110 * i
+        draw.text((20, top + 30), row["task"], fill="black")
+        for j, (name, color) in enumerate((("torch", (238, 119, 51)), ("ours", (0, 119, 187)))):
+            y = top + j * (bar + 8)
+            length = int((width - left - 150) * row[name] / longest)
+            draw.rectangle([left, y, left + length, y + bar], fill=color)
+            label = "PyTorch" if name == "torch" else "this port"
+            draw.text((left + length + 8, y + 10), f"{label} {row[name]:.2f} s", fill="black")
+    image.save(path)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=["inference", "train", "both"], default="both")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--train-size", default=f"{SIZE[0]}x{SIZE[1]}", help="HxW of the training images")
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--measure", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    train_size = tuple(int(s) for s in args.train_size.split("x"))
+    if args.measure:
+        size = SIZE if args.task == "inference" else train_size
+        if args.measure == "ours":
+            result = measure_ours(args.task, args.repeats, size)
+        else:
+            result = measure_torch(args.task, args.repeats, size, args.threads)
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result))
+        return
+
+    tasks = ["inference", "train"] if args.task == "both" else [args.task]
+    lines = [
+        f"machine: {platform.machine()}, {platform.system()}, {args.threads} cores used by each side, "
+        f"python {platform.python_version()}",
+        f"median of {args.repeats} after a warm-up; ratio = PyTorch time / ours (> 1: ours faster); "
+        "peak memory = peak RSS of each side's process",
+        "",
+        "| task | PyTorch (s) | ours (s) | ratio | PyTorch peak MiB | ours peak MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    rows, versions = [], set()
+    for task in tasks:
+        size = SIZE if task == "inference" else train_size
+        theirs = run_side("torch", task, args.repeats, size, args.threads)
+        ours = run_side("ours", task, args.repeats, size, args.threads)
+        versions |= {f"PyTorch: {theirs['versions']}", f"ours: {ours['versions']}"}
+        name = f"{task}, batch {ours['batch']}, {size[0]}x{size[1]}"
+        lines.append(
+            f"| {name} | {theirs['seconds']:.2f} | {ours['seconds']:.2f} | {theirs['seconds'] / ours['seconds']:.2f} "
+            f"| {theirs['peak_rss_mib']:.0f} | {ours['peak_rss_mib']:.0f} |"
+        )
+        per_image = ours["batch"]
+        rows.append({"task": name, "torch": theirs["seconds"] / per_image, "ours": ours["seconds"] / per_image})
+    lines[1:1] = sorted(versions)
+    text = "\n".join(lines)
+    print(text)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "model_cpu.txt").write_text(text + "\n")
+    bar_chart(rows, args.output_dir / "model_cpu.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The C++ CPU kernel of `ms_deform_attn` (backend "cpu", built by the install), against the MLX-ops
+path: forward and every gradient, every layout and flag, on the edge points of the kernels tests;
+threads; dispatch."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from edge_cases import ms_inputs, shapes_for
+
+import kernels
+from kernels import backends, cpu
+
+pytestmark = pytest.mark.skipif(cpu.CPU.missing() is not None, reason=f"{cpu.CPU.missing()}")
+F32 = dict(rtol=1e-5, atol=1e-5)
+
+
+def both_ways(shapes, args, **flags):
+    """[output, grad_value, grad_locations, grad_weights] on the CPU kernel, then on the MLX path."""
+    return [outputs_and_gradients(shapes, args, backend, flags) for backend in ("cpu", "mlx")]
+
+
+def outputs_and_gradients(shapes, args, backend, flags):
+    def attend(v, locs, w):
+        return kernels.ms_deform_attn(v, shapes, None, locs, w, backend=backend, **flags)
+
+    out = attend(*args)
+    cotangent = mx.array(np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)).astype(out.dtype)
+    grads = mx.grad(lambda *a: (attend(*a) * cotangent).astype(mx.float32).sum(), argnums=(0, 1, 2))(*args)
+    return [out, *grads]
+
+
+def assert_same(got, want, tolerance=F32):
+    for name, g, w in zip(["output", "grad_value", "grad_locations", "grad_weights"], got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        g, w = (np.array(a.astype(mx.float32)) for a in (g, w))
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, w, **tolerance, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "value_layout,locations_layout", list(itertools.product(["BLNC", "BNLC"], ["BQHLP2", "B2QHLP"]))
+)
+@pytest.mark.parametrize("padding,align_corners", list(itertools.product(["zeros", "border"], [False, True])))
+def test_cpu_kernel_matches_mlx_path(padding, align_corners, value_layout, locations_layout, rng):
+    shapes = shapes_for(align_corners)
+    value, locations, weights = ms_inputs(rng, shapes, align_corners)  # with NaN and infinite locations
+    if value_layout == "BNLC":
+        value = value.transpose(0, 2, 1, 3)
+    if locations_layout == "B2QHLP":
+        locations = locations.transpose(0, 5, 1, 2, 3, 4)
+    flags = dict(padding_mode=padding, align_corners=align_corners, value_layout=value_layout)
+    got, want = both_ways(shapes, (value, locations, weights), sampling_locations_layout=locations_layout, **flags)
+    assert_same(got, want)
+    assert np.abs(np.array(got[2])).max() > 0
+
+
+@pytest.mark.parametrize("channels", [1, 32, 71])
+def test_cpu_kernel_channel_counts(channels, rng):
+    """32 takes the compiled-in channel count, the others the general loop."""
+    shapes = ((7, 4), (1, 1))
+    args = ms_inputs(rng, shapes, False, batch=2, queries=13, heads=2, channels=channels, points=3)
+    assert_same(*both_ways(shapes, args))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_cpu_kernel_half_precision(dtype, rng):
+    shapes = shapes_for(False)
+    args = ms_inputs(rng, shapes, False, dtype=dtype)
+    tolerance = dict(rtol=2e-3, atol=2e-3) if dtype == mx.float16 else dict(rtol=1.6e-2, atol=1.6e-2)
+    assert_same(*both_ways(shapes, args), tolerance)
+
+
+def test_cpu_kernel_threads_split_rows_not_results(rng, monkeypatch):
+    """One thread or three: the same output bit for bit (rows are independent), the same gradients
+    up to the order in which the per-thread value gradients are summed."""
+    shapes = shapes_for(False)
+    args = ms_inputs(rng, shapes, False, batch=2, queries=29)
+    results = []
+    for count in (1, 3):
+        monkeypatch.setattr(cpu, "threads", lambda count=count: count)
+        results.append(both_ways(shapes, args)[0])
+    np.testing.assert_array_equal(np.array(results[0][0]), np.array(results[1][0]))
+    assert_same(results[1], results[0], dict(rtol=1e-6, atol=1e-6))
+
+
+def test_default_backend_on_the_cpu_device_is_the_cpu_kernel_except_float64():
+    if {"metal", "cuda"} & set(kernels.available_backends()):
+        pytest.skip(f"describes a machine without a GPU back-end; this one has {kernels.available_backends()}")
+    assert backends.select("ms_deform_attn", None, mx.float32, cpu_kernel=True).name == "cpu"
+    assert backends.select("ms_deform_attn", None, mx.float64, cpu_kernel=True) is None
+    with pytest.raises(ValueError, match="backend 'cpu' has no float64"):
+        backends.select("ms_deform_attn", "cpu", mx.float64, cpu_kernel=True)
+    with pytest.raises(ValueError, match="grid_sample: backend 'cpu' has no grid_sample; backend='mlx' has it"):
+        kernels.grid_sample(mx.zeros((1, 4, 4, 1)), mx.zeros((1, 2, 2, 2)), backend="cpu")
