@@ -87,6 +87,7 @@ def measure_torch(task, repeats, size, threads):
         use_timm_backbone=False,
         use_pretrained_backbone=False,
         backbone_config=transformers.ResNetConfig(out_features=["stage2", "stage3", "stage4"]),
+        num_labels=91,
         dropout=0.0 if task == "inference" else 0.1,
     )
     model = transformers.DeformableDetrForObjectDetection(config)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .backbone import Backbone, resize_mask
+from .backbone import Backbone, Conv2d, resize_mask
 from .box_ops import box_cxcywh_to_xyxy
 from .config import Config
 from .deformable_transformer import DeformableTransformer, inverse_sigmoid
@@ -78,7 +78,7 @@ class DeformableDETR(nn.Module):
         extra_in = in_channels[-1]
         for _ in range(num_feature_levels - len(in_channels)):  # extra levels: 3x3 stride-2 convolutions
             self.input_proj.append(
-                [nn.Conv2d(extra_in, hidden_dim, 3, 2, 1), nn.GroupNorm(32, hidden_dim, pytorch_compatible=True)]
+                [Conv2d(extra_in, hidden_dim, 3, 2, 1), nn.GroupNorm(32, hidden_dim, pytorch_compatible=True)]
             )
             extra_in = hidden_dim
         self._reset_parameters()
