@@ -25,6 +25,8 @@ import numpy as np
 import kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot import bars  # noqa: E402
 from torch_reference import ms_deform_attn_core  # noqa: E402  (the authors' core, shared with the tests)
 
 ENCODER = dict(batch=2, shapes=((100, 134), (50, 67), (25, 34), (13, 17)), heads=8, channels=32, points=4)
@@ -118,7 +120,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--torch-device", choices=["cpu", "cuda"], default="cpu", help="where the torch core runs")
-    parser.add_argument("--output", type=Path, help="also write the table to this file")
+    parser.add_argument("--output", type=Path, help="also write the table to this file, and a chart beside it (.png)")
     args = parser.parse_args()
 
     shapes = ENCODER["shapes"]
@@ -140,7 +142,10 @@ def main():
     )
     lines.append(f"|{'-' * 36}|{'-' * 10}|{'-' * 10}|{'-' * 11}|{'-' * 15}|")
 
+    timings = []
+
     def row(name, fwd, both):
+        timings.append((name, fwd, both))
         return f"| {name:<34} | {fwd:8.3f} | {both:8.3f} | {torch_fwd / fwd:9.2f} | {torch_both / both:13.2f} |"
 
     lines.append(row(f"torch core ({where})", torch_fwd, torch_both))
@@ -154,6 +159,8 @@ def main():
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")
+        groups = [(name, [("forward", fwd), ("fwd+bwd", both)]) for name, fwd, both in timings]
+        bars("ms_deform_attn, encoder shape: seconds (shorter is faster)", groups, args.output.with_suffix(".png"))
 
 
 if __name__ == "__main__":

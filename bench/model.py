@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from plot import bars  # noqa: E402
+
 SIZE = (800, 1066)
 
 
@@ -137,27 +140,6 @@ def run_side(side, task, repeats, size, threads):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def bar_chart(rows, path):
-    """Seconds per image, ours against PyTorch, one pair of bars per task."""
-    from PIL import Image, ImageDraw
-
-    width, height, left, bar = 720, 90 + 110 * len(rows), 160, 34
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    draw.text((20, 15), "R50 Deformable DETR on the CPU: seconds per image (shorter is faster)", fill="black")
-    longest = max(max(r["torch"], r["ours"]) for r in rows)
-    for i, row in enumerate(rows):
-        top = 60 + 110 * i
-        draw.text((20, top + 30), row["task"], fill="black")
-        for j, (name, color) in enumerate((("torch", (238, 119, 51)), ("ours", (0, 119, 187)))):
-            y = top + j * (bar + 8)
-            length = int((width - left - 150) * row[name] / longest)
-            draw.rectangle([left, y, left + length, y + bar], fill=color)
-            label = "PyTorch" if name == "torch" else "this port"
-            draw.text((left + length + 8, y + 10), f"{label} {row[name]:.2f} s", fill="black")
-    image.save(path)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=["inference", "train", "both"], default="both")
@@ -206,7 +188,9 @@ def main():
     print(text)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "model_cpu.txt").write_text(text + "\n")
-    bar_chart(rows, args.output_dir / "model_cpu.png")
+    groups = [(row["task"], [("PyTorch", row["torch"]), ("this port", row["ours"])]) for row in rows]
+    title = "R50 Deformable DETR on the CPU: seconds per image (shorter is faster)"
+    bars(title, groups, args.output_dir / "model_cpu.png")
 
 
 if __name__ == "__main__":

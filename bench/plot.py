@@ -1,0 +1,26 @@
+"""Horizontal bar charts for the benchmark scripts (pillow only)."""
+
+from PIL import Image, ImageDraw
+
+COLORS = [(238, 119, 51), (0, 119, 187), (0, 153, 136), (204, 51, 17)]
+
+
+def bars(title: str, groups: list[tuple[str, list[tuple[str, float]]]], path, unit: str = "s"):
+    """groups: [(group label, [(bar label, value), ...]), ...]; one colour per bar position."""
+    per_group = max(len(bars) for _, bars in groups)
+    bar, gap, left = 26, 6, 230
+    group_height = per_group * (bar + gap) + 30
+    width, height = 900, 60 + group_height * len(groups)
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((20, 18), title, fill="black")
+    longest = max(value for _, bars in groups for _, value in bars) or 1.0
+    for g, (label, values) in enumerate(groups):
+        top = 55 + g * group_height
+        draw.text((20, top + (per_group * (bar + gap)) // 2 - 6), label, fill="black")
+        for i, (name, value) in enumerate(values):
+            y = top + i * (bar + gap)
+            length = max(1, int((width - left - 260) * value / longest))
+            draw.rectangle([left, y, left + length, y + bar], fill=COLORS[i % len(COLORS)])
+            draw.text((left + length + 8, y + 8), f"{name}: {value:.3g} {unit}", fill="black")
+    image.save(path)
