@@ -14,9 +14,7 @@ is faster.
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,7 +24,7 @@ import kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot import bars  # noqa: E402
+from common import bars, median_time  # noqa: E402
 from torch_reference import ms_deform_attn_core  # noqa: E402  (the authors' core, shared with the tests)
 
 ENCODER = dict(batch=2, shapes=((100, 134), (50, 67), (25, 34), (13, 17)), heads=8, channels=32, points=4)
@@ -40,16 +38,6 @@ def inputs(batch, shapes, heads, channels, points, seed=0):
     locations = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points, 2)).astype(np.float32)
     weights = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points)).astype(np.float32)
     return value, locations, weights
-
-
-def median_time(run, repeats):
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def time_kernels(backend, shapes, arrays, repeats):

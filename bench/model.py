@@ -20,27 +20,15 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from plot import bars  # noqa: E402
+from common import bars, median_time  # noqa: E402
 
 SIZE = (800, 1066)
-
-
-def median_time(run, repeats):
-    run()  # warm-up (and, for MLX, the first call's graph and kernel setup)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def targets_for(batch):

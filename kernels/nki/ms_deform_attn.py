@@ -16,6 +16,8 @@ read the same pixel) into a float32 buffer.
 Indices run on the float32 datapath: L * N_h must stay below 2**24.
 """
 
+from typing import NamedTuple
+
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -24,6 +26,24 @@ FP32_EXACT_INT = 1 << 24
 VALUE_LAYOUTS = ("BLNC", "BNLC")
 LOCATION_LAYOUTS = ("BQHLP2", "B2QHLP")
 PADDING_MODES = ("zeros", "border")
+
+
+class Spec(NamedTuple):
+    """The compile-time description of a call."""
+
+    batch: int
+    queries: int
+    heads: int
+    levels: int
+    points: int
+    channels: int
+    length: int
+    spatial_shapes: tuple
+    level_start_index: tuple
+    value_layout: str
+    locations_layout: str
+    align_corners: bool
+    padding_mode: str
 
 
 @nki.jit
@@ -41,57 +61,42 @@ def ms_deformable_attention(
     """value BLNC (B, L, N_h, C_h) or BNLC (B, N_h, L, C_h); sampling_locations BQHLP2
     (B, N_q, N_h, N_l, N_p, 2) or B2QHLP (B, 2, N_q, N_h, N_l, N_p), in [0, 1], x first;
     attention_weights (B, N_q, N_h, N_l, N_p). Returns (B, N_q, N_h * C_h) in value's dtype."""
-    dims = _dims(
+    spec = _spec(
         value,
         spatial_shapes,
         level_start_index,
         attention_weights,
         value_layout,
         sampling_locations_layout,
+        align_corners,
         padding_mode,
     )
-    batch, queries, heads, levels, points, channels, length = dims
+    heads, points, channels = spec.heads, spec.points, spec.channels
     pmax = nl.tile_size.pmax
-    output = nl.ndarray((batch, queries, heads * channels), dtype=value.dtype, buffer=nl.shared_hbm)
-    rows = value.reshape((batch * length * heads * channels,))
-    for b in range(batch):
-        for q0 in range(0, queries, pmax):
-            q = min(pmax, queries - q0)
-            xs, ys = _load_locations(sampling_locations, sampling_locations_layout, b, q0, q, dims)
-            attention = _load_f32(attention_weights[b, q0 : q0 + q], (pmax, heads, levels, points), q)
-            total = nl.ndarray((pmax, heads * channels), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=total[0:q], value=0.0)
-            gathered = nl.ndarray((pmax, channels), dtype=value.dtype, buffer=nl.sbuf)
-            for level in range(levels):
-                taps = _level_taps(
-                    xs,
-                    ys,
-                    attention,
-                    level,
-                    q,
-                    dims,
-                    spatial_shapes,
-                    level_start_index,
-                    value_layout,
-                    align_corners,
-                    padding_mode,
-                )
-                for tap in taps["taps"]:
-                    for h in range(heads):
-                        for p in range(points):
-                            _gather(gathered, rows, tap["index"], h, p, q, channels, _batch_offset(b, dims))
-                            own = total[0:q, h * channels : (h + 1) * channels]
-                            nisa.scalar_tensor_tensor(
-                                dst=own,
-                                data=gathered[0:q],
-                                op0=nl.multiply,
-                                operand0=tap["attended"][0:q, h, p : p + 1],
-                                op1=nl.add,
-                                operand1=own,
-                            )
-            result = nl.ndarray((pmax, heads * channels), dtype=value.dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=result[0:q], src=total[0:q])
-            nisa.dma_copy(dst=output[b, q0 : q0 + q], src=result[0:q])
+    output = nl.ndarray((spec.batch, spec.queries, heads * channels), dtype=value.dtype, buffer=nl.shared_hbm)
+    rows = value.reshape((spec.batch * spec.length * heads * channels,))
+    for b, q0, q, xs, ys, attention in _query_tiles(spec, sampling_locations, attention_weights):
+        total = nl.ndarray((pmax, heads * channels), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=total[0:q], value=0.0)
+        gathered = nl.ndarray((pmax, channels), dtype=value.dtype, buffer=nl.sbuf)
+        for level in range(spec.levels):
+            taps = _level_taps(xs, ys, attention, level, q, spec)
+            for tap in taps["taps"]:
+                for h in range(heads):
+                    for p in range(points):
+                        _gather(gathered, rows, tap["index"], h, p, q, channels, _batch_offset(b, spec))
+                        own = total[0:q, h * channels : (h + 1) * channels]
+                        nisa.scalar_tensor_tensor(
+                            dst=own,
+                            data=gathered[0:q],
+                            op0=nl.multiply,
+                            operand0=tap["attended"][0:q, h, p : p + 1],
+                            op1=nl.add,
+                            operand1=own,
+                        )
+        result = nl.ndarray((pmax, heads * channels), dtype=value.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=result[0:q], src=total[0:q])
+        nisa.dma_copy(dst=output[b, q0 : q0 + q], src=result[0:q])
     return output
 
 
@@ -111,87 +116,72 @@ def ms_deformable_attention_bwd(
     """Gradients of `ms_deformable_attention` given grad_output (B, N_q, N_h * C_h). Returns
     (grad_value in value's dtype and layout, grad_sampling_locations float32 in its layout,
     grad_attention_weights in value's dtype)."""
-    dims = _dims(
+    spec = _spec(
         value,
         spatial_shapes,
         level_start_index,
         attention_weights,
         value_layout,
         sampling_locations_layout,
+        align_corners,
         padding_mode,
     )
-    batch, queries, heads, levels, points, channels, length = dims
+    heads, levels, points, channels = spec.heads, spec.levels, spec.points, spec.channels
     pmax = nl.tile_size.pmax
-    rows = value.reshape((batch * length * heads * channels,))
-    grad_rows = _zeros_hbm(batch * length * heads, channels)
+    rows = value.reshape((spec.batch * spec.length * heads * channels,))
+    grad_rows = _zeros_hbm(spec.batch * spec.length * heads, channels)
     grad_locations = nl.ndarray(sampling_locations.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     grad_weights = nl.ndarray(attention_weights.shape, dtype=value.dtype, buffer=nl.shared_hbm)
-    for b in range(batch):
-        for q0 in range(0, queries, pmax):
-            q = min(pmax, queries - q0)
-            xs, ys = _load_locations(sampling_locations, sampling_locations_layout, b, q0, q, dims)
-            attention = _load_f32(attention_weights[b, q0 : q0 + q], (pmax, heads, levels, points), q)
-            upstream = _load_f32(grad_output[b, q0 : q0 + q], (pmax, heads * channels), q)
-            grad_attention = _zeros_tile((pmax, heads, levels, points), q)
-            grad_x = _zeros_tile((pmax, heads, levels, points), q)
-            grad_y = _zeros_tile((pmax, heads, levels, points), q)
-            gathered = nl.ndarray((pmax, channels), dtype=value.dtype, buffer=nl.sbuf)
-            product = nl.ndarray((pmax, channels), dtype=nl.float32, buffer=nl.sbuf)
-            contribution = nl.ndarray((pmax, channels), dtype=nl.float32, buffer=nl.sbuf)
-            dot = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
-            for level in range(levels):
-                taps = _level_taps(
-                    xs,
-                    ys,
-                    attention,
-                    level,
-                    q,
-                    dims,
-                    spatial_shapes,
-                    level_start_index,
-                    value_layout,
-                    align_corners,
-                    padding_mode,
-                )
-                for tap in taps["taps"]:
-                    for h in range(heads):
-                        for p in range(points):
-                            _gather(gathered, rows, tap["index"], h, p, q, channels, _batch_offset(b, dims))
-                            own = upstream[0:q, h * channels : (h + 1) * channels]
-                            # <grad_output, tap value>, reduced over channels
-                            nisa.tensor_tensor(dst=product[0:q], data1=gathered[0:q], data2=own, op=nl.multiply)
-                            nisa.tensor_reduce(dst=dot[0:q], op=nl.add, data=product[0:q], axis=(1,), keepdims=True)
-                            for target, factor in (
-                                (grad_attention, tap["weight"]),
-                                (grad_x, tap["dweight_dx"]),
-                                (grad_y, tap["dweight_dy"]),
-                            ):
-                                column = target[0:q, h, level, p : p + 1]
-                                nisa.scalar_tensor_tensor(
-                                    dst=column,
-                                    data=dot[0:q],
-                                    op0=nl.multiply,
-                                    operand0=factor[0:q, h, p : p + 1],
-                                    op1=nl.add,
-                                    operand1=column,
-                                )
-                            nisa.tensor_scalar(
-                                dst=contribution[0:q],
-                                data=own,
+    for b, q0, q, xs, ys, attention in _query_tiles(spec, sampling_locations, attention_weights):
+        upstream = _load_f32(grad_output[b, q0 : q0 + q], (pmax, heads * channels), q)
+        grad_attention = _zeros_tile((pmax, heads, levels, points), q)
+        grad_x = _zeros_tile((pmax, heads, levels, points), q)
+        grad_y = _zeros_tile((pmax, heads, levels, points), q)
+        gathered = nl.ndarray((pmax, channels), dtype=value.dtype, buffer=nl.sbuf)
+        product = nl.ndarray((pmax, channels), dtype=nl.float32, buffer=nl.sbuf)
+        contribution = nl.ndarray((pmax, channels), dtype=nl.float32, buffer=nl.sbuf)
+        dot = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+        for level in range(levels):
+            taps = _level_taps(xs, ys, attention, level, q, spec)
+            for tap in taps["taps"]:
+                for h in range(heads):
+                    for p in range(points):
+                        _gather(gathered, rows, tap["index"], h, p, q, channels, _batch_offset(b, spec))
+                        own = upstream[0:q, h * channels : (h + 1) * channels]
+                        # <grad_output, tap value>, reduced over channels
+                        nisa.tensor_tensor(dst=product[0:q], data1=gathered[0:q], data2=own, op=nl.multiply)
+                        nisa.tensor_reduce(dst=dot[0:q], op=nl.add, data=product[0:q], axis=(1,), keepdims=True)
+                        for target, factor in (
+                            (grad_attention, tap["weight"]),
+                            (grad_x, tap["dweight_dx"]),
+                            (grad_y, tap["dweight_dy"]),
+                        ):
+                            column = target[0:q, h, level, p : p + 1]
+                            nisa.scalar_tensor_tensor(
+                                dst=column,
+                                data=dot[0:q],
                                 op0=nl.multiply,
-                                operand0=tap["attended"][0:q, h, p : p + 1],
+                                operand0=factor[0:q, h, p : p + 1],
+                                op1=nl.add,
+                                operand1=column,
                             )
-                            _scatter_add(grad_rows, tap["index"], h, p, q, channels, contribution, b, dims)
-                # d location = attention * sum over taps of (d tap weight / d pixel) * <grad, value>
-                # * d pixel / d location (the clip's gradient times W or W - 1)
-                for grad, chain in ((grad_x, taps["chain_x"]), (grad_y, taps["chain_y"])):
-                    own = grad[0:q, :, level, :]
-                    nisa.tensor_tensor(dst=own, data1=own, data2=attention[0:q, :, level, :], op=nl.multiply)
-                    nisa.tensor_tensor(dst=own, data1=own, data2=chain[0:q], op=nl.multiply)
-            _store_locations(grad_locations, sampling_locations_layout, grad_x, grad_y, b, q0, q, dims)
-            weights_out = nl.ndarray((pmax, heads, levels, points), dtype=value.dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=weights_out[0:q], src=grad_attention[0:q])
-            nisa.dma_copy(dst=grad_weights[b, q0 : q0 + q], src=weights_out[0:q])
+                        nisa.tensor_scalar(
+                            dst=contribution[0:q],
+                            data=own,
+                            op0=nl.multiply,
+                            operand0=tap["attended"][0:q, h, p : p + 1],
+                        )
+                        _scatter_add(grad_rows, tap["index"], h, p, q, channels, contribution, b, spec)
+            # d location = attention * sum over taps of (d tap weight / d pixel) * <grad, value>
+            # * d pixel / d location (the clip's gradient times W or W - 1)
+            for grad, chain in ((grad_x, taps["chain_x"]), (grad_y, taps["chain_y"])):
+                own = grad[0:q, :, level, :]
+                nisa.tensor_tensor(dst=own, data1=own, data2=attention[0:q, :, level, :], op=nl.multiply)
+                nisa.tensor_tensor(dst=own, data1=own, data2=chain[0:q], op=nl.multiply)
+        _store_locations(grad_locations, grad_x, grad_y, b, q0, q, spec)
+        weights_out = nl.ndarray((pmax, heads, levels, points), dtype=value.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=weights_out[0:q], src=grad_attention[0:q])
+        nisa.dma_copy(dst=grad_weights[b, q0 : q0 + q], src=weights_out[0:q])
     return _grad_value(grad_rows, value), grad_locations, grad_weights
 
 
@@ -199,7 +189,9 @@ def ms_deformable_attention_bwd(
 # helpers, traced into the kernels
 
 
-def _dims(value, spatial_shapes, level_start_index, attention_weights, value_layout, locations_layout, padding):
+def _spec(
+    value, spatial_shapes, level_start_index, attention_weights, value_layout, locations_layout, align_corners, padding
+) -> Spec:
     if value_layout not in VALUE_LAYOUTS or locations_layout not in LOCATION_LAYOUTS or padding not in PADDING_MODES:
         raise ValueError(
             f"ms_deformable_attention: value_layout {value_layout!r}, sampling_locations_layout "
@@ -220,12 +212,37 @@ def _dims(value, spatial_shapes, level_start_index, attention_weights, value_lay
         )
     if length * heads >= FP32_EXACT_INT:
         raise ValueError(f"ms_deformable_attention: L * N_h = {length * heads} rows; indices need fewer than 2**24")
-    return batch, queries, heads, levels, points, channels, length
+    return Spec(
+        batch,
+        queries,
+        heads,
+        levels,
+        points,
+        channels,
+        length,
+        tuple(map(tuple, spatial_shapes)),
+        tuple(level_start_index),
+        value_layout,
+        locations_layout,
+        bool(align_corners),
+        padding,
+    )
 
 
-def _batch_offset(b, dims):
-    _, _, heads, _, _, channels, length = dims
-    return b * length * heads * channels
+def _query_tiles(spec, sampling_locations, attention_weights):
+    """Per batch and tile of up to 128 queries: (b, q0, q, x tile, y tile, attention tile), the
+    tiles float32 (P, N_h, N_l, N_p)."""
+    pmax = nl.tile_size.pmax
+    for b in range(spec.batch):
+        for q0 in range(0, spec.queries, pmax):
+            q = min(pmax, spec.queries - q0)
+            xs, ys = _load_locations(sampling_locations, b, q0, q, spec)
+            shape = (pmax, spec.heads, spec.levels, spec.points)
+            yield b, q0, q, xs, ys, _load_f32(attention_weights[b, q0 : q0 + q], shape, q)
+
+
+def _batch_offset(b, spec):
+    return b * spec.length * spec.heads * spec.channels
 
 
 def _load_f32(source, shape, q):
@@ -243,11 +260,11 @@ def _zeros_tile(shape, q):
     return tile
 
 
-def _load_locations(sampling_locations, layout, b, q0, q, dims):
+def _load_locations(sampling_locations, b, q0, q, spec):
     """x and y of a query tile as float32 tiles (P, N_h, N_l, N_p)."""
-    _, _, heads, levels, points, _, _ = dims
+    heads, levels, points = spec.heads, spec.levels, spec.points
     pmax = nl.tile_size.pmax
-    if layout == "B2QHLP":
+    if spec.locations_layout == "B2QHLP":
         xs = _load_f32(sampling_locations[b, 0, q0 : q0 + q], (pmax, heads, levels, points), q)
         ys = _load_f32(sampling_locations[b, 1, q0 : q0 + q], (pmax, heads, levels, points), q)
         return xs, ys
@@ -259,9 +276,9 @@ def _load_locations(sampling_locations, layout, b, q0, q, dims):
     return xs, ys
 
 
-def _store_locations(grad_locations, layout, grad_x, grad_y, b, q0, q, dims):
-    _, _, heads, levels, points, _, _ = dims
-    if layout == "B2QHLP":
+def _store_locations(grad_locations, grad_x, grad_y, b, q0, q, spec):
+    heads, levels, points = spec.heads, spec.levels, spec.points
+    if spec.locations_layout == "B2QHLP":
         nisa.dma_copy(dst=grad_locations[b, 0, q0 : q0 + q], src=grad_x[0:q])
         nisa.dma_copy(dst=grad_locations[b, 1, q0 : q0 + q], src=grad_y[0:q])
         return
@@ -325,16 +342,14 @@ def _axis(u, size, q, align_corners, padding_mode, shape):
     return sides, chain
 
 
-def _level_taps(
-    xs, ys, attention, level, q, dims, spatial_shapes, level_start_index, value_layout, align_corners, padding_mode
-):
+def _level_taps(xs, ys, attention, level, q, spec):
     """The four taps of every (head, point) of one level, as tiles (P, N_h, N_p): value-row index
     (uint32, within the batch), weight, weight x attention, weight derivatives."""
-    _, _, heads, _, points, _, length = dims
-    height, width = spatial_shapes[level]
+    heads, points, length = spec.heads, spec.points, spec.length
+    height, width = spec.spatial_shapes[level]
     shape = (nl.tile_size.pmax, heads, points)
-    columns, chain_x = _axis(xs[0:q, :, level, :], width, q, align_corners, padding_mode, shape)
-    rows, chain_y = _axis(ys[0:q, :, level, :], height, q, align_corners, padding_mode, shape)
+    columns, chain_x = _axis(xs[0:q, :, level, :], width, q, spec.align_corners, spec.padding_mode, shape)
+    rows, chain_y = _axis(ys[0:q, :, level, :], height, q, spec.align_corners, spec.padding_mode, shape)
     taps = []
     for row in rows:
         for column in columns:
@@ -347,9 +362,11 @@ def _level_taps(
                 op1=nl.add,
                 operand1=column["position"][0:q],
             )
-            nisa.tensor_scalar(dst=pixel[0:q], data=pixel[0:q], op0=nl.add, operand0=float(level_start_index[level]))
+            nisa.tensor_scalar(
+                dst=pixel[0:q], data=pixel[0:q], op0=nl.add, operand0=float(spec.level_start_index[level])
+            )
             for h in range(heads):  # the value row of (pixel, head) within the batch
-                if value_layout == "BLNC":
+                if spec.value_layout == "BLNC":
                     nisa.tensor_scalar(
                         dst=pixel[0:q, h],
                         data=pixel[0:q, h],
@@ -397,10 +414,10 @@ def _gather(gathered, rows, index, h, p, q, channels, offset):
     )
 
 
-def _scatter_add(grad_rows, index, h, p, q, channels, contribution, b, dims):
+def _scatter_add(grad_rows, index, h, p, q, channels, contribution, b, spec):
     target = grad_rows.ap(
         pattern=_row_pattern(q, channels),
-        offset=_batch_offset(b, dims),
+        offset=_batch_offset(b, spec),
         vector_offset=index[0:q, h, p : p + 1],
         indirect_dim=0,
     )

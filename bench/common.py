@@ -1,8 +1,22 @@
-"""Horizontal bar charts for the benchmark scripts (pillow only)."""
+"""What the benchmark scripts share: the timing rule and the charts (pillow only)."""
+
+import statistics
+import time
 
 from PIL import Image, ImageDraw
 
 COLORS = [(238, 119, 51), (0, 119, 187), (0, 153, 136), (204, 51, 17)]
+
+
+def median_time(run, repeats: int) -> float:
+    """Median wall time of `repeats` calls after one warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def bars(title: str, groups: list[tuple[str, list[tuple[str, float]]]], path, unit: str = "s"):
