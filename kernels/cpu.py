@@ -35,6 +35,10 @@ class CpuBackend:
             return f"the default device is {mx.default_device()}, and this kernel runs on the CPU"
         return None
 
+    @staticmethod
+    def ms_deform_attn_core(shapes, align_corners, padding_mode, value_layout, locations_layout):
+        return ms_deform_attn_core(shapes, align_corners, padding_mode, value_layout, locations_layout)
+
 
 CPU = CpuBackend()
 

@@ -7,7 +7,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from . import backends, cpu, fused
+from . import backends
 from .checks import check_choice, check_float, check_rank, compute_dtype, fail
 from .sampling import bilinear_taps, pad_coordinates
 
@@ -58,11 +58,9 @@ def ms_deform_attn(
     result_dtype = mx.result_type(value, sampling_locations, attention_weights)
     kernel = backends.select(OP, backend, result_dtype, cpu_kernel=True)
     if kernel is not None:  # the kernels read both layouts as they are
-        flags = (bool(align_corners), padding_mode, value_layout, sampling_locations_layout)
-        if kernel.name == "cpu":
-            attend = cpu.ms_deform_attn_core(shapes, *flags)
-        else:
-            attend = fused.ms_deform_attn_core(kernel, shapes, *flags)
+        attend = kernel.ms_deform_attn_core(
+            shapes, bool(align_corners), padding_mode, value_layout, sampling_locations_layout
+        )
         return attend(*(a.astype(result_dtype) for a in (value, sampling_locations, attention_weights)))
 
     value = canonical_value

@@ -35,6 +35,9 @@ class Backend:
     make_kernel: Callable  # MLX's kernel constructor, called with keyword arguments
     missing: Callable[[], str | None]  # why this back-end cannot run here, or None
 
+    def ms_deform_attn_core(self, shapes, align_corners, padding_mode, value_layout, locations_layout):
+        return ms_deform_attn_core(self, shapes, align_corners, padding_mode, value_layout, locations_layout)
+
     def kernel(self, name: str, input_names, output_names, atomic_outputs: bool = False):
         return self.make_kernel(
             name=name,
