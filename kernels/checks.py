@@ -30,3 +30,11 @@ def check_float(op: str, **arrays):
 def compute_dtype(*arrays: mx.array) -> mx.Dtype:
     """float64 if any input is float64, else float32 (float16 / bfloat16 are computed in float32)."""
     return mx.float64 if any(a.dtype == mx.float64 for a in arrays) else mx.float32
+
+
+def level_starts(shapes) -> list[int]:
+    """Where each level of (H, W) `shapes` starts in the flattened sequence: the running sum of H * W."""
+    starts = [0]
+    for h, w in shapes[:-1]:
+        starts.append(starts[-1] + h * w)
+    return starts

@@ -18,6 +18,8 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from .checks import level_starts
+
 PADDINGS = ("zeros", "border")
 
 
@@ -73,7 +75,7 @@ def ms_deform_attn_core(shapes: tuple, align_corners: bool, padding_mode: str, v
     """A `custom_function` of (value, sampling_locations, attention_weights) in the given layouts."""
     library = _library()
     spatial_shapes = np.array(shapes, dtype=np.int32)
-    starts = np.concatenate([[0], np.cumsum([h * w for h, w in shapes])[:-1]]).astype(np.int32)
+    starts = np.array(level_starts(shapes), dtype=np.int32)
     flags = np.array(
         [value_layout == "BNLC", locations_layout == "B2QHLP", align_corners, PADDINGS.index(padding_mode)],
         dtype=np.int32,

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import backends
-from .checks import check_choice, check_float, check_rank, compute_dtype, fail
+from .checks import check_choice, check_float, check_rank, compute_dtype, fail, level_starts
 from .sampling import bilinear_taps, pad_coordinates
 
 VALUE_LAYOUTS = ("BLNC", "BNLC")
@@ -82,17 +82,13 @@ def _spatial_shapes(spatial_shapes) -> tuple[tuple[int, int], ...]:
     return tuple((int(h), int(w)) for h, w in array)
 
 
-def _level_starts(shapes) -> list[int]:
-    return np.concatenate([[0], np.cumsum([h * w for h, w in shapes])[:-1]]).tolist()
-
-
 def _check_level_start_index(level_start_index, shapes):
     if level_start_index is None:
         return
     given = np.asarray(level_start_index).reshape(-1).tolist()
-    if given != _level_starts(shapes):
+    if given != level_starts(shapes):
         raise ValueError(
-            f"{OP}: level_start_index is {given}; expected {_level_starts(shapes)} "
+            f"{OP}: level_start_index is {given}; expected {level_starts(shapes)} "
             "(the running sum of H * W over spatial_shapes), or None to derive it"
         )
 
@@ -148,7 +144,7 @@ def _mlx_core(shapes, align_corners: bool, padding_mode: str):
     """The MLX-ops path for one set of level shapes, as a `custom_function`, built once."""
     heights = mx.array([h for h, _ in shapes], dtype=mx.int32).reshape(-1, 1)  # (N_l, 1)
     widths = mx.array([w for _, w in shapes], dtype=mx.int32).reshape(-1, 1)
-    starts = mx.array(_level_starts(shapes), dtype=mx.int32).reshape(-1, 1)
+    starts = mx.array(level_starts(shapes), dtype=mx.int32).reshape(-1, 1)
     offset = 0.0 if align_corners else 0.5
     scale_w, scale_h = (widths - 1, heights - 1) if align_corners else (widths, heights)
 

@@ -1,7 +1,10 @@
-"""Inputs on the edge cases of the kernels tests: exact pixels, edges, clip limits, outside, non-finite."""
+"""Inputs on the edge cases of the kernels tests (exact pixels, edges, clip limits, outside,
+non-finite), and the comparison of a kernel back-end with the MLX-ops path on them."""
 
 import mlx.core as mx
 import numpy as np
+
+import kernels
 
 
 def pixel_coordinates(size, align_corners, pixels):
@@ -32,3 +35,33 @@ def ms_inputs(
 
 def shapes_for(align_corners):
     return ((5, 9), (3, 3), (1, 1)) if align_corners else ((4, 8), (2, 2), (1, 1))
+
+
+def outputs_and_gradients(function, args, rng):
+    out = function(*args)
+    cotangent = mx.array(rng.standard_normal(out.shape).astype(np.float32)).astype(out.dtype)
+    grads = mx.grad(lambda *a: (function(*a) * cotangent).astype(mx.float32).sum(), argnums=tuple(range(len(args))))(
+        *args
+    )
+    return [out, *grads]
+
+
+def assert_same(got, want, tolerance):
+    names = ["output", *(f"gradient {i}" for i in range(len(got) - 1))]
+    for name, g, w in zip(names, got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        g, w = (np.array(a.astype(mx.float32)) for a in (g, w))
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, w, **tolerance, err_msg=name)
+
+
+def ms_deform_attn_both_ways(shapes, args, backend, **flags):
+    """[output, grad_value, grad_locations, grad_weights] on `backend`, then on the MLX-ops path."""
+    results = []
+    for name in (backend, "mlx"):
+
+        def attend(v, locs, w, name=name):
+            return kernels.ms_deform_attn(v, shapes, None, locs, w, backend=name, **flags)
+
+        results.append(outputs_and_gradients(attend, args, np.random.default_rng(1)))
+    return results

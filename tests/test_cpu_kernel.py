@@ -7,36 +7,13 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from edge_cases import ms_inputs, shapes_for
+from edge_cases import assert_same, ms_deform_attn_both_ways, ms_inputs, shapes_for
 
 import kernels
 from kernels import backends, cpu
 
 pytestmark = pytest.mark.skipif(cpu.CPU.missing() is not None, reason=f"{cpu.CPU.missing()}")
 F32 = dict(rtol=1e-5, atol=1e-5)
-
-
-def both_ways(shapes, args, **flags):
-    """[output, grad_value, grad_locations, grad_weights] on the CPU kernel, then on the MLX path."""
-    return [outputs_and_gradients(shapes, args, backend, flags) for backend in ("cpu", "mlx")]
-
-
-def outputs_and_gradients(shapes, args, backend, flags):
-    def attend(v, locs, w):
-        return kernels.ms_deform_attn(v, shapes, None, locs, w, backend=backend, **flags)
-
-    out = attend(*args)
-    cotangent = mx.array(np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)).astype(out.dtype)
-    grads = mx.grad(lambda *a: (attend(*a) * cotangent).astype(mx.float32).sum(), argnums=(0, 1, 2))(*args)
-    return [out, *grads]
-
-
-def assert_same(got, want, tolerance=F32):
-    for name, g, w in zip(["output", "grad_value", "grad_locations", "grad_weights"], got, want, strict=True):
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        g, w = (np.array(a.astype(mx.float32)) for a in (g, w))
-        assert np.isfinite(g).all(), name
-        np.testing.assert_allclose(g, w, **tolerance, err_msg=name)
 
 
 @pytest.mark.parametrize(
@@ -51,8 +28,10 @@ def test_cpu_kernel_matches_mlx_path(padding, align_corners, value_layout, locat
     if locations_layout == "B2QHLP":
         locations = locations.transpose(0, 5, 1, 2, 3, 4)
     flags = dict(padding_mode=padding, align_corners=align_corners, value_layout=value_layout)
-    got, want = both_ways(shapes, (value, locations, weights), sampling_locations_layout=locations_layout, **flags)
-    assert_same(got, want)
+    got, want = ms_deform_attn_both_ways(
+        shapes, (value, locations, weights), "cpu", sampling_locations_layout=locations_layout, **flags
+    )
+    assert_same(got, want, F32)
     assert np.abs(np.array(got[2])).max() > 0
 
 
@@ -61,7 +40,7 @@ def test_cpu_kernel_channel_counts(channels, rng):
     """32 takes the compiled-in channel count, the others the general loop."""
     shapes = ((7, 4), (1, 1))
     args = ms_inputs(rng, shapes, False, batch=2, queries=13, heads=2, channels=channels, points=3)
-    assert_same(*both_ways(shapes, args))
+    assert_same(*ms_deform_attn_both_ways(shapes, args, "cpu"), F32)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
@@ -69,7 +48,7 @@ def test_cpu_kernel_half_precision(dtype, rng):
     shapes = shapes_for(False)
     args = ms_inputs(rng, shapes, False, dtype=dtype)
     tolerance = dict(rtol=2e-3, atol=2e-3) if dtype == mx.float16 else dict(rtol=1.6e-2, atol=1.6e-2)
-    assert_same(*both_ways(shapes, args), tolerance)
+    assert_same(*ms_deform_attn_both_ways(shapes, args, "cpu"), tolerance)
 
 
 def test_cpu_kernel_threads_split_rows_not_results(rng, monkeypatch):
@@ -80,7 +59,7 @@ def test_cpu_kernel_threads_split_rows_not_results(rng, monkeypatch):
     results = []
     for count in (1, 3):
         monkeypatch.setattr(cpu, "threads", lambda count=count: count)
-        results.append(both_ways(shapes, args)[0])
+        results.append(ms_deform_attn_both_ways(shapes, args, "cpu")[0])
     np.testing.assert_array_equal(np.array(results[0][0]), np.array(results[1][0]))
     assert_same(results[1], results[0], dict(rtol=1e-6, atol=1e-6))
 

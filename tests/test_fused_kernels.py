@@ -9,7 +9,14 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from edge_cases import ms_inputs, pixel_coordinates, shapes_for
+from edge_cases import (
+    assert_same,
+    ms_deform_attn_both_ways,
+    ms_inputs,
+    outputs_and_gradients,
+    pixel_coordinates,
+    shapes_for,
+)
 from gpu_emulator import CUDA, METAL
 
 import kernels
@@ -30,34 +37,6 @@ def on(monkeypatch):
     return use
 
 
-def outputs_and_gradients(function, args, rng):
-    out = function(*args)
-    cotangent = mx.array(rng.standard_normal(out.shape).astype(np.float32)).astype(out.dtype)
-    grads = mx.grad(lambda *a: (function(*a) * cotangent).astype(mx.float32).sum(), argnums=tuple(range(len(args))))(
-        *args
-    )
-    return [out, *grads]
-
-
-def assert_same(got, want, tolerance):
-    names = ["output", *(f"gradient {i}" for i in range(len(got) - 1))]
-    for name, g, w in zip(names, got, want, strict=True):
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        g, w = (np.array(a.astype(mx.float32)) for a in (g, w))
-        assert np.isfinite(g).all(), name
-        np.testing.assert_allclose(g, w, **tolerance, err_msg=name)
-
-
-def ms_deform_attn_both_ways(shapes, args, rng, **flags):
-    results = []
-    for backend in flags.pop("backends"):
-        call = lambda v, locs, w, backend=backend: kernels.ms_deform_attn(  # noqa: E731
-            v, shapes, None, locs, w, backend=backend, **flags
-        )
-        results.append(outputs_and_gradients(call, args, np.random.default_rng(1)))
-    return results
-
-
 def check_ms_deform_attn(backend, padding, align_corners, value_layout, locations_layout, rng):
     shapes = shapes_for(align_corners)
     value, locations, weights = ms_inputs(rng, shapes, align_corners)
@@ -68,8 +47,7 @@ def check_ms_deform_attn(backend, padding, align_corners, value_layout, location
     fused, reference = ms_deform_attn_both_ways(
         shapes,
         (value, locations, weights),
-        rng,
-        backends=[backend, "mlx"],
+        backend,
         padding_mode=padding,
         align_corners=align_corners,
         value_layout=value_layout,
@@ -103,7 +81,7 @@ def test_ms_deform_attn_kernel_channels_beyond_one_lane_each(backend, channels, 
     on(backend)
     shapes = ((7, 4),)
     args = ms_inputs(rng, shapes, False, batch=2, queries=13, heads=2, channels=channels, points=3)
-    fused, reference = ms_deform_attn_both_ways(shapes, args, rng, backends=[backend, "mlx"])
+    fused, reference = ms_deform_attn_both_ways(shapes, args, backend)
     assert_same(fused, reference, F32)
 
 
@@ -115,7 +93,7 @@ def test_ms_deform_attn_kernel_half_precision(backend, dtype, on, rng):
     on(backend)
     shapes = shapes_for(False)
     args = ms_inputs(rng, shapes, False, dtype=dtype)
-    fused, reference = ms_deform_attn_both_ways(shapes, args, rng, backends=[backend, "mlx"])
+    fused, reference = ms_deform_attn_both_ways(shapes, args, backend)
     assert_same(fused, reference, HALF[dtype])
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..checks import level_starts
+
 SOURCES = Path(__file__).parent
 LANES = 32
 THREADGROUP = 256
@@ -84,10 +86,7 @@ def ms_deform_attn_core(
         atomic_outputs=True,
     )
     spatial_shapes = mx.array(shapes, dtype=mx.int32)
-    starts = [0]
-    for h, w in shapes[:-1]:
-        starts.append(starts[-1] + h * w)
-    level_start_index = mx.array(starts, dtype=mx.int32)
+    level_start_index = mx.array(level_starts(shapes), dtype=mx.int32)
     flags = [
         ("ALIGN_CORNERS", align_corners),
         ("PADDING", PADDINGS.index(padding_mode)),
