@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .checkpointing import checkpointed
+
 # name -> (block, blocks per stage)
 ARCHITECTURES = {
     "resnet18": ("basic", (2, 2, 2, 2)),
@@ -174,12 +176,19 @@ class ResNet(nn.Module):
                 in_channels = channels * block.expansion
             setattr(self, f"layer{stage + 1}", blocks)
         self.num_channels = [c * block.expansion for c in widths[1:]]
+        self.activation_checkpointing = False  # recompute layer2..layer4 in the backward (checkpointing.py)
 
     def __call__(self, x):
         x = self.maxpool(nn.relu(self.bn1(self.conv1(x))))
         outputs = []
         for stage in range(1, 5):
-            x = _sequential(getattr(self, f"layer{stage}"), x)
+            blocks = getattr(self, f"layer{stage}")
+            x = checkpointed(
+                blocks,
+                lambda x, blocks=blocks: _sequential(blocks, x),
+                x,
+                enabled=self.activation_checkpointing and stage > 1,
+            )
             if stage >= 2:
                 outputs.append(x)
         return outputs

@@ -7,6 +7,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from .checkpointing import Dropout, checkpointed
 from .ms_deform_attn import MSDeformAttn
 from .position_encoding import sine_embedding
 
@@ -53,7 +54,7 @@ class DeformableTransformerEncoderLayer(nn.Module):
         self.linear1 = nn.Linear(d_model, d_ffn)
         self.linear2 = nn.Linear(d_ffn, d_model)
         self.norm2 = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def __call__(self, src, pos, reference_points, spatial_shapes, padding_mask):
         attended = self.self_attn(src + pos, reference_points, src, spatial_shapes, None, padding_mask)
@@ -66,6 +67,7 @@ class DeformableTransformerEncoder(nn.Module):
     def __init__(self, num_layers: int, **layer_args):
         super().__init__()
         self.layers = [DeformableTransformerEncoderLayer(**layer_args) for _ in range(num_layers)]
+        self.activation_checkpointing = False  # recompute each layer in the backward (checkpointing.py)
 
     @staticmethod
     def reference_points(spatial_shapes, valid_ratios):
@@ -85,7 +87,13 @@ class DeformableTransformerEncoder(nn.Module):
     def __call__(self, src, spatial_shapes, valid_ratios, pos, padding_mask):
         reference_points = self.reference_points(spatial_shapes, valid_ratios)
         for layer in self.layers:
-            src = layer(src, pos, reference_points, spatial_shapes, padding_mask)
+            src = checkpointed(
+                [layer],
+                lambda src, pos, layer=layer: layer(src, pos, reference_points, spatial_shapes, padding_mask),
+                src,
+                pos,
+                enabled=self.activation_checkpointing,
+            )
         return src
 
 
@@ -99,7 +107,7 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.linear1 = nn.Linear(d_model, d_ffn)
         self.linear2 = nn.Linear(d_ffn, d_model)
         self.norm3 = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask):
         q = k = tgt + query_pos
@@ -114,6 +122,7 @@ class DeformableTransformerDecoder(nn.Module):
     def __init__(self, num_layers: int, **layer_args):
         super().__init__()
         self.layers = [DeformableTransformerDecoderLayer(**layer_args) for _ in range(num_layers)]
+        self.activation_checkpointing = False  # recompute each layer in the backward (checkpointing.py)
 
     def __call__(
         self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask, bbox_embed=None
@@ -125,8 +134,14 @@ class DeformableTransformerDecoder(nn.Module):
             ratios = (
                 mx.concatenate([valid_ratios, valid_ratios], -1) if reference_points.shape[-1] == 4 else valid_ratios
             )
-            tgt = layer(
-                tgt, query_pos, reference_points[:, :, None] * ratios[:, None], src, spatial_shapes, padding_mask
+            tgt = checkpointed(
+                [layer],
+                lambda tgt, pos, points, src, layer=layer: layer(tgt, pos, points, src, spatial_shapes, padding_mask),
+                tgt,
+                query_pos,
+                reference_points[:, :, None] * ratios[:, None],
+                src,
+                enabled=self.activation_checkpointing,
             )
             if bbox_embed is not None:
                 delta = bbox_embed[lid](tgt)

@@ -95,7 +95,9 @@ def seed_step(seed: int, global_step: int):
 
 class Trainer:
     """One optimisation step: forward, matched losses, backward, (all-reduce), clip, AdamW.
-    `mx.eval` once per step. Hungarian matching runs on the CPU inside the loss."""
+    `mx.eval` once per step, and nothing evaluates before it: the Hungarian matching and the CPU
+    attention kernel are lazy MLX operations, so MLX frees each intermediate as soon as the backward
+    is done with it (an evaluation inside the differentiated function would keep them all)."""
 
     def __init__(self, model, criterion, optimizer, cfg: Config, group=None):
         self.model, self.criterion, self.optimizer, self.cfg = model, criterion, optimizer, cfg

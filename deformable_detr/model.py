@@ -102,6 +102,13 @@ class DeformableDETR(nn.Module):
     def head(self, heads, index):
         return heads[index] if len(heads) > 1 else heads[0]
 
+    def set_activation_checkpointing(self, enabled: bool):
+        """Recompute backbone stages 2-4 and every encoder and decoder layer in the backward instead
+        of keeping their intermediates (training only; same gradients, less memory, more time)."""
+        self.backbone[0].body.activation_checkpointing = enabled
+        self.transformer.encoder.activation_checkpointing = enabled
+        self.transformer.decoder.activation_checkpointing = enabled
+
     def __call__(self, images: mx.array, mask: mx.array) -> dict:
         features = self.backbone[0](images, mask)
         srcs = [_sequential(self.input_proj[level], x) for level, (x, _) in enumerate(features)]
@@ -176,7 +183,7 @@ def build_model(cfg: Config) -> DeformableDETR:
         two_stage=m.two_stage,
         two_stage_num_proposals=m.num_queries,
     )
-    return DeformableDETR(
+    model = DeformableDETR(
         backbone,
         transformer,
         num_classes=m.num_classes,
@@ -186,6 +193,8 @@ def build_model(cfg: Config) -> DeformableDETR:
         with_box_refine=m.with_box_refine,
         two_stage=m.two_stage,
     )
+    model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+    return model
 
 
 def load_model_weights(model: DeformableDETR, path, strict: bool = True) -> int:

@@ -1,9 +1,11 @@
-// ms_deform_attn forward and backward on the CPU, multi-threaded, float32; built by the package's
-// install as kernels/_cpu (a plain C ABI, loaded with ctypes by kernels/cpu.py). The arithmetic of
-// a sample point is sampling.h's, shared with the Metal and CUDA kernels.
+// ms_deform_attn forward and backward on the CPU, multi-threaded, float32: the arithmetic of a
+// sample point is sampling.h's, shared with the Metal and CUDA kernels. ms_deform_attn.cpp runs it
+// inside MLX operations.
 //
 // Threads split the (batch, query) rows. The backward scatters the value gradient into one buffer
 // per thread (the first is the output), summed at the end: no atomics in the inner loop.
+
+#pragma once
 
 #include <cmath>
 #include <cstdint>
@@ -31,7 +33,7 @@ INLINE uint32_t float_bits(float x) {
 #define VECTORIZE
 #endif
 
-namespace {
+namespace ms_deform_attn_cpu {
 
 struct Problem {
   const float* value;
@@ -204,54 +206,21 @@ VECTORIZE void backward_rows(const Problem& p, const float* __restrict__ grad_ou
   }
 }
 
-Problem problem(const float* value, const int32_t* spatial_shapes, const int32_t* level_start_index,
-                const float* locations, const float* weights, const int32_t* dims, const int32_t* flags) {
-  Problem p;
-  p.value = value;
-  p.spatial_shapes = spatial_shapes;
-  p.level_start_index = level_start_index;
-  p.locations = locations;
-  p.weights = weights;
-  p.batch = dims[0];
-  p.length = dims[1];
-  p.heads = dims[2];
-  p.channels = dims[3];
-  p.queries = dims[4];
-  p.levels = dims[5];
-  p.points = dims[6];
-  p.value_bnlc = flags[0];
-  p.locations_b2qhlp = flags[1];
-  p.align_corners = flags[2];
-  p.padding = flags[3];
-  return p;
-}
-
-}  // namespace
-
-// dims: batch, length, heads, channels, queries, levels, points.
-// flags: value_bnlc, locations_b2qhlp, align_corners, padding (0 zeros, 1 border).
-extern "C" void ms_deform_attn_forward(const float* value, const int32_t* spatial_shapes,
-                                       const int32_t* level_start_index, const float* locations,
-                                       const float* weights, const int32_t* dims, const int32_t* flags, int threads,
-                                       float* output) {
-  const Problem p = problem(value, spatial_shapes, level_start_index, locations, weights, dims, flags);
-  parallel_rows(p.batch * p.queries, threads,
-                [&](int, int64_t begin, int64_t end) {
-                  if (p.channels == 32) {
-                    forward_rows<32>(p, output, begin, end);
-                  } else {
-                    forward_rows<0>(p, output, begin, end);
-                  }
-                });
+// value (B, L, H, C) or (B, H, L, C); locations (B, Q, H, levels, points, 2) or (B, 2, Q, H, levels,
+// points); weights (B, Q, H, levels, points); output (B, Q, H * C).
+inline void forward(const Problem& p, int threads, float* output) {
+  parallel_rows(p.batch * p.queries, threads, [&](int, int64_t begin, int64_t end) {
+    if (p.channels == 32) {
+      forward_rows<32>(p, output, begin, end);
+    } else {
+      forward_rows<0>(p, output, begin, end);
+    }
+  });
 }
 
 // grad_value must hold zeros; grad_locations and grad_weights are written in full.
-extern "C" void ms_deform_attn_backward(const float* value, const int32_t* spatial_shapes,
-                                        const int32_t* level_start_index, const float* locations,
-                                        const float* weights, const int32_t* dims, const int32_t* flags, int threads,
-                                        const float* grad_output, float* grad_value, float* grad_locations,
-                                        float* grad_weights) {
-  const Problem p = problem(value, spatial_shapes, level_start_index, locations, weights, dims, flags);
+inline void backward(const Problem& p, int threads, const float* grad_output, float* grad_value,
+                     float* grad_locations, float* grad_weights) {
   const int rows = p.batch * p.queries;
   threads = threads < 1 ? 1 : (threads > rows ? (rows > 0 ? rows : 1) : threads);
   const int64_t size = int64_t(p.batch) * p.length * p.heads * p.channels;
@@ -279,3 +248,5 @@ extern "C" void ms_deform_attn_backward(const float* value, const int32_t* spati
     });
   }
 }
+
+}  // namespace ms_deform_attn_cpu

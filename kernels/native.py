@@ -1,0 +1,37 @@
+"""The C++ extension `kernels._native` (kernels/native/), built by the package's install: MLX
+operations (C++ `Primitive`s with their VJPs) that evaluate on MLX's CPU stream. Unlike a host call,
+they stay lazy: a function that uses them can be differentiated, checkpointed and `mx.compile`d
+without evaluating anything inside.
+
+It is compiled against one MLX release (MLX's C++ ABI changes between releases; pyproject.toml pins
+the version for the build and at run time); loaded under another, it is refused and `kernels` falls
+back to MLX ops and scipy, with `missing()` saying why.
+"""
+
+import importlib
+from functools import cache
+
+import mlx.core as mx
+
+
+@cache
+def _load():
+    try:
+        module = importlib.import_module("kernels._native")
+    except ImportError as error:
+        return None, f"the C++ extension kernels._native is not built ({error}; `pip install -e .` builds it)"
+    if module.mlx_version != mx.__version__:
+        return None, (
+            f"kernels._native was built against MLX {module.mlx_version}, and MLX {mx.__version__} is installed: "
+            "reinstall the package (`pip install -e .`)"
+        )
+    return module, None
+
+
+def module():
+    """The extension module, or None where it cannot be used (`missing()` says why)."""
+    return _load()[0]
+
+
+def missing() -> str | None:
+    return _load()[1]

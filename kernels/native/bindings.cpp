@@ -1,0 +1,29 @@
+// kernels._native: the Python face of ops.h (nanobind, in MLX's domain so that mlx.core.array
+// passes through as mlx::core::array).
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/version.h"
+#include "ops.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_native, m) {
+  m.doc() = "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment";
+  m.attr("mlx_version") = mlx::core::version();
+  m.def(
+      "ms_deform_attn",
+      [](const kernels::array& value, const kernels::array& locations, const kernels::array& weights,
+         std::vector<int> shapes, bool value_bnlc, bool locations_b2qhlp, bool align_corners, int padding,
+         int threads) {
+        return kernels::ms_deform_attn(value, locations, weights,
+                                       {std::move(shapes), value_bnlc, locations_b2qhlp, align_corners, padding},
+                                       threads);
+      },
+      "value"_a, "locations"_a, "weights"_a, "shapes"_a, "value_bnlc"_a, "locations_b2qhlp"_a, "align_corners"_a,
+      "padding"_a, "threads"_a);
+  m.def("linear_assignment", &kernels::linear_assignment, "cost"_a, "sizes"_a);
+}

@@ -1,0 +1,33 @@
+// MLX operations of kernels._native: C++ Primitives evaluated on MLX's CPU stream, so that they
+// stay lazy inside a traced or compiled function (no host synchronisation), unlike a ctypes call.
+
+#pragma once
+
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace kernels {
+
+using mlx::core::array;
+
+struct AttentionSpec {
+  std::vector<int> shapes;  // (height, width) of each level, flattened
+  bool value_bnlc, locations_b2qhlp, align_corners;
+  int padding;  // 0 zeros, 1 border
+
+  bool operator==(const AttentionSpec&) const = default;
+};
+
+// value (B, L, H, C) or (B, H, L, C); locations (B, Q, H, levels, points, 2) or (B, 2, Q, H, levels,
+// points); weights (B, Q, H, levels, points): float32, row-contiguous. -> (B, Q, H * C) float32.
+array ms_deform_attn(const array& value, const array& locations, const array& weights, const AttentionSpec& spec,
+                     int threads);
+
+// cost (B, Q, T): the cost of each query of image b against every target of the batch, whose targets
+// are the consecutive runs of `sizes` (image b's: columns sizes[0] + ... + sizes[b - 1] onwards).
+// -> (T,) int32: the query assigned to each target by a minimum-cost one-to-one assignment of image
+// b's targets to its queries (each size <= Q).
+array linear_assignment(const array& cost, const std::vector<int>& sizes);
+
+}  // namespace kernels

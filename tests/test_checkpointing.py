@@ -1,0 +1,79 @@
+"""Activation checkpointing (`train.activation_checkpointing`) recomputes backbone stages 2-4 and every
+encoder and decoder layer in the backward: the gradients must be those without it, dropout on (the
+recomputation draws the same masks)."""
+
+from contextlib import contextmanager
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from test_lazy_step import batch
+from test_train import TINY
+
+from deformable_detr import build_criterion, build_model, checkpointing, load_config
+from deformable_detr.engine import Trainer, build_optimizer
+
+
+def gradients(activation_checkpointing: bool, step_seed: int = 0):
+    cfg = load_config(
+        TINY,
+        [
+            "model.dropout=0.3",
+            "model.two_stage=true",
+            "model.with_box_refine=true",
+            "optimizer.lr_backbone=1e-5",  # the backbone trains: its stages are checkpointed too
+            f"train.activation_checkpointing={str(activation_checkpointing).lower()}",
+        ],
+    )
+    mx.random.seed(0)
+    model = build_model(cfg)
+    mx.eval(model.parameters())
+    model.train()
+    trainer = Trainer(model, build_criterion(cfg), build_optimizer(cfg), cfg)
+    images, mask, targets = batch()
+    mx.random.seed(step_seed)
+    (total, _), grads = trainer.loss_and_grad(images, mask, targets, 4.0)
+    mx.eval(total, grads)
+    return total.item(), {k: np.array(v) for k, v in tree_flatten(grads)}
+
+
+def largest_difference(a, b):
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max() / max(np.abs(b[k]).max(), 1e-12)) for k in b)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return gradients(False)
+
+
+def test_checkpointing_gives_the_same_gradients_with_dropout(plain):
+    total, grads = gradients(True)
+    assert total == pytest.approx(plain[0], rel=1e-6)
+    assert any(k.startswith("backbone.0.body.layer2") for k in grads)
+    assert largest_difference(grads, plain[1]) < 1e-4
+
+
+def test_dropout_is_on_and_the_masks_matter(plain):
+    """Another step seed draws other masks: the comparison above is not of dropout-free networks."""
+    _, grads = gradients(False, step_seed=1)
+    assert largest_difference(grads, plain[1]) > 0.05
+
+
+def test_a_recomputation_with_fresh_masks_is_caught(monkeypatch):
+    """What the key in checkpointing.py prevents: if dropout drew from MLX's generator (as
+    `nn.Dropout` under `nn.utils.checkpoint` does), the forward would be the same but the
+    recomputation would draw other masks, and the gradients would be another network's."""
+
+    @contextmanager
+    def global_generator(key):
+        with original(None):
+            yield
+
+    original = checkpointing._drawing_from
+    monkeypatch.setattr(checkpointing, "_drawing_from", global_generator)
+    total, grads = gradients(True)
+    want_total, want_grads = gradients(False)
+    assert total == pytest.approx(want_total, rel=1e-6)  # the same forward
+    assert largest_difference(grads, want_grads) > 0.05
