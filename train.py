@@ -34,6 +34,14 @@ from deformable_detr.engine import (
 )
 from deformable_detr.evaluate import coco_stats, predict_detections
 from deformable_detr.fast_blas import use_mkl
+from deformable_detr.memory import (
+    GIB,
+    MemoryBudgetError,
+    budget_bytes,
+    check_memory,
+    is_out_of_memory,
+    out_of_memory_message,
+)
 from deformable_detr.model import load_model_weights
 from deformable_detr.predict import class_names, detect
 from deformable_detr.visualize import draw_detections, grid, plot_curves
@@ -119,6 +127,15 @@ def main(argv=None):
             log.flush()
 
     model.train()
+    try:
+        estimate = check_memory(trainer, loader.dataset, cfg)
+    except MemoryBudgetError as error:
+        sys.exit(f"error: {error}")
+    if is_main:
+        print(
+            f"memory: a step of the largest batch needs about {estimate.describe()}; "
+            f"budget {budget_bytes(cfg.train) / GIB:.1f} GiB"
+        )
     step = first_step
     try:
         while epoch < cfg.schedule.epochs and global_step < max_steps:
@@ -128,7 +145,14 @@ def main(argv=None):
             for images, mask, targets in loader.epoch(epoch, step):
                 tick = time.perf_counter()
                 seed_step(cfg.seed, global_step)
-                losses, grads, grad_norm = trainer.step(images, mask, targets)
+                try:
+                    losses, grads, grad_norm = trainer.step(images, mask, targets)
+                except RuntimeError as error:  # Metal's allocation failure; the CPU's was ruled out above
+                    if not is_out_of_memory(error):
+                        raise
+                    sys.exit(
+                        f"error: {out_of_memory_message(error, images.shape)}; last checkpoint, intact: {checkpoint}"
+                    )
                 if global_step == 0:
                     norms = sampling_offsets_grad_norms(grads)
                     write({"sampling_offsets_grad_norms": norms})

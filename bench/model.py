@@ -1,6 +1,7 @@
 """R50 Deformable DETR on the CPU, this port against PyTorch, in one run: inference and a training step.
 
-    python bench/model.py [--task inference|train|both] [--repeats 3] [--threads N] [--output-dir DIR]
+    python bench/model.py [--task inference|train|both] [--train-size 800x1066,512x683] [--repeats 3]
+                          [--threads N] [--output-dir DIR]
 
 PyTorch side: Hugging Face's `DeformableDetrForObjectDetection` (the authors' architecture: ResNet-50,
 6 + 6 layers, 300 queries, 4 levels, 91 classes; its deformable attention core is PyTorch ops on
@@ -10,8 +11,10 @@ stem and layer1 frozen for training as the authors do. Ours: `configs/r50.yaml`,
 own process, which reports its median time over `--repeats` after a warm-up and its peak resident
 memory (ru_maxrss, the whole process: Python, libraries, weights and activations).
 
-Inference: batch 1 at 800 x 1066 (the authors' evaluation size), images/s. Training: batch 2 at
-`--train-size` (default 800 x 1066), forward, Hungarian matching, losses, backward and an AdamW step.
+Inference: batch 1 at 800 x 1066 (the authors' evaluation size), images/s. Training: batch 2 at each
+`--train-size`, forward, Hungarian matching, losses, backward and an AdamW step; ours with activation
+checkpointing off and on (`train.activation_checkpointing`; on is the R50 configs' default), and with
+MLX's own peak (`mx.get_peak_memory`: arrays only) beside the process's.
 Writes `model_cpu.txt` and `model_cpu.png` to --output-dir (default bench/results).
 """
 
@@ -36,7 +39,7 @@ def targets_for(batch):
     return [{"labels": [1, 17, 62], "boxes": boxes} for _ in range(batch)]
 
 
-def measure_ours(task, repeats, size):
+def measure_ours(task, repeats, size, checkpointing):
     import mlx.core as mx
     import numpy as np
 
@@ -45,7 +48,8 @@ def measure_ours(task, repeats, size):
     from deformable_detr import build_criterion, build_model, load_config
     from deformable_detr.engine import Trainer, build_optimizer, freeze_for_training
 
-    cfg = load_config(ROOT / "configs" / "r50.yaml", [] if task == "train" else ["model.dropout=0.0"])
+    overrides = [f"train.activation_checkpointing={str(checkpointing).lower()}"]
+    cfg = load_config(ROOT / "configs" / "r50.yaml", overrides + ([] if task == "train" else ["model.dropout=0.0"]))
     model = build_model(cfg)
     rng = np.random.default_rng(0)
     batch = 1 if task == "inference" else 2
@@ -65,7 +69,12 @@ def measure_ours(task, repeats, size):
         ]
         seconds = median_time(lambda: trainer.step(images, mask, targets), repeats)
     backend = kernels.available_backends()[-1]
-    return {"seconds": seconds, "batch": batch, "versions": f"mlx {mx.__version__}, attention backend {backend}"}
+    return {
+        "seconds": seconds,
+        "batch": batch,
+        "mlx_peak_mib": mx.get_peak_memory() / 2**20,
+        "versions": f"mlx {mx.__version__}, attention backend {backend}",
+    }
 
 
 def measure_torch(task, repeats, size, threads):
@@ -112,7 +121,7 @@ def measure_torch(task, repeats, size, threads):
     return {"seconds": seconds, "batch": batch, "versions": f"torch {torch.__version__}, {threads} threads"}
 
 
-def run_side(side, task, repeats, size, threads):
+def run_side(side, task, repeats, size, threads, checkpointing=False):
     """One side in its own process: its peak memory is its own."""
     sys.path.insert(0, str(ROOT))
     from deformable_detr.fast_blas import mkl_runtime
@@ -122,6 +131,7 @@ def run_side(side, task, repeats, size, threads):
         env["LD_PRELOAD"] = str(mkl_runtime())
     command = [sys.executable, __file__, "--measure", side, "--task", task, "--repeats", str(repeats)]
     command += ["--threads", str(threads), "--train-size", f"{size[0]}x{size[1]}"]
+    command += ["--checkpointing"] if checkpointing else []
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{side} {task} failed:\n{done.stderr[-3000:]}")
@@ -133,50 +143,56 @@ def main():
     parser.add_argument("--task", choices=["inference", "train", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--train-size", default=f"{SIZE[0]}x{SIZE[1]}", help="HxW of the training images")
+    parser.add_argument("--train-size", default="800x1066,512x683", help="HxW of the training images, comma-separated")
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--measure", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    train_size = tuple(int(s) for s in args.train_size.split("x"))
+    train_sizes = [tuple(int(s) for s in size.split("x")) for size in args.train_size.split(",")]
     if args.measure:
-        size = SIZE if args.task == "inference" else train_size
+        size = SIZE if args.task == "inference" else train_sizes[0]
         if args.measure == "ours":
-            result = measure_ours(args.task, args.repeats, size)
+            result = measure_ours(args.task, args.repeats, size, args.checkpointing)
         else:
             result = measure_torch(args.task, args.repeats, size, args.threads)
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
         return
 
-    tasks = ["inference", "train"] if args.task == "both" else [args.task]
+    jobs = [("inference", SIZE)] if args.task in ("inference", "both") else []
+    jobs += [("train", size) for size in train_sizes] if args.task in ("train", "both") else []
     lines = [
         f"machine: {platform.machine()}, {platform.system()}, {args.threads} cores used by each side, "
         f"python {platform.python_version()}",
         f"median of {args.repeats} after a warm-up; ratio = PyTorch time / ours (> 1: ours faster); "
-        "peak memory = peak RSS of each side's process",
+        "peak = peak RSS of each side's process (MLX: arrays only, mx.get_peak_memory)",
         "",
-        "| task | PyTorch (s) | ours (s) | ratio | PyTorch peak MiB | ours peak MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| task | PyTorch (s) | ours (s) | ratio | PyTorch peak MiB | ours peak MiB | ours MLX peak MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    rows, versions = [], set()
-    for task in tasks:
-        size = SIZE if task == "inference" else train_size
+    groups, versions = [], set()
+    for task, size in jobs:
         theirs = run_side("torch", task, args.repeats, size, args.threads)
-        ours = run_side("ours", task, args.repeats, size, args.threads)
-        versions |= {f"PyTorch: {theirs['versions']}", f"ours: {ours['versions']}"}
-        name = f"{task}, batch {ours['batch']}, {size[0]}x{size[1]}"
-        lines.append(
-            f"| {name} | {theirs['seconds']:.2f} | {ours['seconds']:.2f} | {theirs['seconds'] / ours['seconds']:.2f} "
-            f"| {theirs['peak_rss_mib']:.0f} | {ours['peak_rss_mib']:.0f} |"
-        )
-        per_image = ours["batch"]
-        rows.append({"task": name, "torch": theirs["seconds"] / per_image, "ours": ours["seconds"] / per_image})
+        versions.add(f"PyTorch: {theirs['versions']}")
+        name = f"{task}, batch {theirs['batch']}, {size[0]}x{size[1]}"
+        bars_of_task = [("PyTorch", theirs["seconds"] / theirs["batch"])]
+        for checkpointing in (False, True) if task == "train" else (False,):
+            ours = run_side("ours", task, args.repeats, size, args.threads, checkpointing)
+            versions.add(f"ours: {ours['versions']}")
+            label = "ours" if task == "inference" else f"ours, checkpointing {'on' if checkpointing else 'off'}"
+            lines.append(
+                f"| {name}: {label} | {theirs['seconds']:.2f} | {ours['seconds']:.2f} "
+                f"| {theirs['seconds'] / ours['seconds']:.2f} | {theirs['peak_rss_mib']:.0f} "
+                f"| {ours['peak_rss_mib']:.0f} | {ours['mlx_peak_mib']:.0f} |"
+            )
+            bars_of_task.append((label.replace("ours", "this port"), ours["seconds"] / ours["batch"]))
+            print(lines[-1], flush=True)
+        groups.append((name, bars_of_task))
     lines[1:1] = sorted(versions)
     text = "\n".join(lines)
     print(text)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "model_cpu.txt").write_text(text + "\n")
-    groups = [(row["task"], [("PyTorch", row["torch"]), ("this port", row["ours"])]) for row in rows]
     title = "R50 Deformable DETR on the CPU: seconds per image (shorter is faster)"
     bars(title, groups, args.output_dir / "model_cpu.png")
 

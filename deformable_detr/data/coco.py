@@ -38,6 +38,18 @@ class CocoDetection:
     def __len__(self):
         return len(self.ids)
 
+    def image_sizes(self) -> list[tuple[int, int]]:
+        """(width, height) of every image, from the annotation file (or the image's header)."""
+        sizes = []
+        for image_id in self.ids:
+            info = self.coco.imgs[image_id]
+            if "width" in info and "height" in info:
+                sizes.append((int(info["width"]), int(info["height"])))
+            else:
+                with Image.open(self.image_dir / info["file_name"]) as image:
+                    sizes.append(image.size)
+        return sizes
+
     def load(self, index: int):
         """-> (PIL RGB image, target with `boxes` x0, y0, x1, y1 pixels, `labels`, `image_id`, `orig_size`)."""
         image_id = self.ids[index]

@@ -1,0 +1,138 @@
+"""Out of memory is a clear stop, never a crash. On MLX's CPU back-end a failed allocation is a
+segmentation fault (and `mx.set_memory_limit` is not enforced there), so before the first step
+`check_memory` estimates the peak of the largest batch the data can produce, from two small probe
+steps, and refuses to start when it exceeds the budget; on Metal an allocation failure during a
+step ends with the same advice (`out_of_memory_message`).
+
+The estimate: MLX's peak memory during a step is a constant (weights, optimizer state) plus a part
+proportional to the pixels of the batch (activations: the backbone's feature maps, the encoder's
+tokens, the attention's samples all scale with them), so two probes at small sizes of the same
+shape give the line to extrapolate."""
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .data.transforms import resized_shape
+
+GIB = 1024**3
+ADVICE = (
+    "lower schedule.batch_size, data.scales / data.max_size (the image size), or turn on "
+    "train.activation_checkpointing; or raise train.memory_limit_gb if the machine has the memory"
+)
+
+
+class MemoryBudgetError(RuntimeError):
+    """A training step would need more memory than the budget."""
+
+
+def largest_image(width: int, height: int, data_cfg) -> tuple[int, int]:
+    """The tallest and the widest (height, width) the train augmentations can make of an image:
+    the resize to the largest scale, or a crop (of the tallest or widest shape allowed) resized to it."""
+    scale = max(data_cfg.scales)
+    resized = resized_shape(width, height, scale, data_cfg.max_size)
+    heights, widths = [resized[0]], [resized[1]]
+    low, high = data_cfg.crop_size
+    for size in data_cfg.crop_resize:
+        h, w = resized_shape(width, height, size)
+        tall = (min(h, high), min(low, w))  # (crop height, crop width)
+        wide = (min(low, h), min(w, high))
+        for crop_h, crop_w in (tall, wide):
+            final_h, final_w = resized_shape(crop_w, crop_h, scale, data_cfg.max_size)
+            heights.append(final_h)
+            widths.append(final_w)
+    return max(heights), max(widths)
+
+
+def largest_batch(image_sizes, data_cfg) -> tuple[int, int]:
+    """(height, width) of the largest padded batch: the tallest image's height and the widest's width
+    (a batch pads to both; one of a single image is no larger)."""
+    shapes = [largest_image(w, h, data_cfg) for w, h in set(image_sizes)]
+    return max(h for h, _ in shapes), max(w for _, w in shapes)
+
+
+def machine_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def budget_bytes(train_cfg) -> int:
+    """train.memory_limit_gb, or 80% of the machine's memory."""
+    if train_cfg.memory_limit_gb > 0:
+        return int(train_cfg.memory_limit_gb * GIB)
+    return int(0.8 * machine_memory())
+
+
+@dataclass
+class Estimate:
+    peak_bytes: float  # MLX's peak during a step of the largest batch, plus the optimizer's first state
+    batch: int
+    height: int
+    width: int
+    probes: list  # ((height, width), peak bytes) of each probe step
+
+    def describe(self) -> str:
+        return f"{self.peak_bytes / GIB:.1f} GiB for a batch of {self.batch} x {self.height} x {self.width} px"
+
+
+def probe_peak(loss_and_grad, batch: int, height: int, width: int, num_classes: int) -> int:
+    """MLX's peak memory during one forward and backward on a synthetic batch (nothing is updated)."""
+    rng = np.random.default_rng(0)
+    images = mx.array(rng.standard_normal((batch, height, width, 3)).astype(np.float32))
+    mask = mx.zeros((batch, height, width), dtype=mx.bool_)
+    boxes = np.array([[0.3, 0.3, 0.2, 0.2], [0.6, 0.6, 0.3, 0.4]], np.float32)
+    targets = [{"labels": np.array([1, num_classes - 1]), "boxes": boxes} for _ in range(batch)]
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    (total, _), grads = loss_and_grad(images, mask, targets, float(2 * batch))
+    mx.eval(total, grads)
+    peak = mx.get_peak_memory()
+    del total, grads
+    mx.clear_cache()
+    return peak
+
+
+def estimate_step_memory(trainer, batch: int, height: int, width: int, num_classes: int) -> Estimate:
+    """Extrapolate MLX's peak for a (batch, height, width) step from probes at 1/4 and 1/2 of its
+    pixels (sides / 2 and / sqrt 2, at least 64 px)."""
+    probes = []
+    for factor in (2.0, 2.0**0.5):
+        size = (max(64, round(height / factor)), max(64, round(width / factor)))
+        probes.append((size, probe_peak(trainer.loss_and_grad, batch, *size, num_classes)))
+    (size_a, peak_a), (size_b, peak_b) = probes
+    pixels_a, pixels_b = size_a[0] * size_a[1], size_b[0] * size_b[1]
+    slope = max(peak_b - peak_a, 0) / max(pixels_b - pixels_a, 1)
+    peak = peak_b + slope * (height * width - pixels_b)
+    if not trainer.optimizer.state or len(tree_flatten(trainer.optimizer.state)) <= len(trainer.optimizer.optimizers):
+        trainable = sum(v.nbytes for _, v in tree_flatten(trainer.model.trainable_parameters()))
+        peak += 3 * trainable  # AdamW's first update: two moments and the new weights
+    return Estimate(peak, batch, height, width, probes)
+
+
+def check_memory(trainer, train_dataset, cfg) -> Estimate:
+    """Raise MemoryBudgetError (its message names the estimate, the budget and what to lower) when a
+    step of the largest batch would not fit; return the estimate otherwise."""
+    height, width = largest_batch(train_dataset.image_sizes(), cfg.data)
+    estimate = estimate_step_memory(trainer, cfg.schedule.batch_size, height, width, cfg.model.num_classes)
+    budget = budget_bytes(cfg.train)
+    if estimate.peak_bytes > budget:
+        source = "train.memory_limit_gb" if cfg.train.memory_limit_gb > 0 else "80% of this machine's memory"
+        raise MemoryBudgetError(
+            f"a training step of the largest batch the data can produce would need about {estimate.describe()} "
+            f"(estimated from probe steps), over the memory budget of {budget / GIB:.1f} GiB ({source}); "
+            f"{ADVICE}"
+        )
+    return estimate
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """MLX's allocation failure (Metal: "[malloc] Unable to allocate ...")."""
+    return isinstance(error, RuntimeError) and ("[malloc]" in str(error) or "Unable to allocate" in str(error))
+
+
+def out_of_memory_message(error: BaseException, images_shape) -> str:
+    b, h, w = images_shape[:3]
+    return f"out of memory in a training step of a batch of {b} x {h} x {w} px ({error}); {ADVICE}"

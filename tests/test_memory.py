@@ -1,0 +1,71 @@
+"""The out-of-memory guard: the largest batch the augmentations can make, the probe-step estimate of a
+step's peak against a measured one, and train.py refusing (exit 1, before any step) when the
+estimate exceeds train.memory_limit_gb."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+from test_train import ROOT, TINY, shapes  # noqa: F401  (the fixture)
+
+from deformable_detr import build_criterion, build_model, load_config
+from deformable_detr.data.transforms import make_transforms
+from deformable_detr.engine import Trainer, build_optimizer
+from deformable_detr.memory import estimate_step_memory, largest_batch, largest_image, probe_peak
+
+
+@pytest.mark.parametrize("width,height", [(640, 480), (333, 500)])
+def test_largest_image_bounds_what_the_augmentations_make(width, height):
+    """The authors' train pipeline at their sizes: 1500 random draws never exceed the bound and come
+    within 15% of it (its extremes need the rarest crops)."""
+    data = load_config(ROOT / "configs" / "r50.yaml").data
+    transform = make_transforms("train", data)
+    image = Image.new("RGB", (width, height))
+    target = {"boxes": np.zeros((0, 4), np.float32), "labels": np.zeros(0, np.int64)}
+    rng = np.random.default_rng(0)
+    seen = np.array([transform(image, target, rng)[0].size[::-1] for _ in range(1500)])  # (height, width)
+    bound = largest_image(width, height, data)
+    assert (seen <= bound).all()
+    assert (seen.max(0) >= 0.85 * np.array(bound)).all(), (seen.max(0), bound)
+
+
+def test_largest_batch_pads_the_tallest_and_the_widest():
+    data = load_config(ROOT / "configs" / "r50.yaml").data
+    tall, wide = largest_image(480, 640, data), largest_image(640, 480, data)
+    assert largest_batch([(640, 480), (480, 640), (640, 480)], data) == (tall[0], wide[1])
+    assert tall[0] == wide[1] > 1066  # crops of other proportions, resized to 800, are longer than 800 x 1066
+
+
+def test_estimate_from_probes_is_close_to_the_measured_peak():
+    cfg = load_config(TINY, ["optimizer.lr_backbone=1e-5"])
+    mx.random.seed(0)
+    model = build_model(cfg)
+    mx.eval(model.parameters())
+    model.train()
+    trainer = Trainer(model, build_criterion(cfg), build_optimizer(cfg), cfg)
+    trainer.optimizer.init(model.trainable_parameters())  # so the estimate is of the step alone
+    estimate = estimate_step_memory(trainer, 2, 256, 320, cfg.model.num_classes)
+    measured = probe_peak(trainer.loss_and_grad, 2, 256, 320, cfg.model.num_classes)
+    assert [size for size, _ in estimate.probes] == [(128, 160), (181, 226)]
+    assert estimate.peak_bytes == pytest.approx(measured, rel=0.1)
+    assert estimate.probes[1][1] < 0.8 * measured  # the extrapolation did the work
+
+
+def test_a_budget_too_small_stops_before_any_step(shapes, tmp_path):  # noqa: F811
+    output = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "train.py"), "--config", str(TINY), "--output-dir", str(output)]
+    command += [f"data.coco_path={shapes}", "train.memory_limit_gb=0.01"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1, done.stderr[-2000:]
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: a training step of the largest batch the data can produce would need about")
+    assert "for a batch of 2 x 64 x 64 px" in message
+    assert "over the memory budget of 0.0 GiB (train.memory_limit_gb)" in message
+    assert "lower schedule.batch_size, data.scales / data.max_size" in message
+    assert "train.activation_checkpointing" in message
+    assert not (output / "checkpoint.safetensors").exists()
+    assert not (output / "log.jsonl").exists() or (output / "log.jsonl").read_text() == ""
