@@ -30,14 +30,24 @@ def _drawing_from(key):
 
 def _next_key():
     if not _keys or _keys[-1][0] is None:
-        return None  # MLX's global generator, as nn.Dropout
+        return None  # outside a unit: MLX's generator
     key, sub = mx.random.split(_keys[-1][0])
     _keys[-1][0] = key
     return sub
 
 
+def _fresh_key() -> mx.array:
+    """A key (two uint32) drawn from MLX's generator."""
+    return mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32)
+
+
 class Dropout(nn.Module):
-    """`nn.Dropout` whose masks come from the key of the unit it runs in (see `checkpointed`)."""
+    """`nn.Dropout` whose masks come from the key of the unit it runs in (see `checkpointed`).
+
+    The mask compares 16 random bits per element with round((1 - p) * 65536), and scales by the
+    inverse of that kept fraction (p = 0.1 keeps 0.899994 instead of 0.9): 16 bits are half the
+    random words of `mx.random.bernoulli`'s floats, which made dropout a quarter of an encoder
+    layer's forward on the CPU (measured: 298 -> 167 ms for a (2, 7320, 1024) activation)."""
 
     def __init__(self, p: float = 0.5):
         super().__init__()
@@ -48,9 +58,11 @@ class Dropout(nn.Module):
     def __call__(self, x):
         if not self.training or self.p == 0:
             return x
-        keep = 1 - self.p
-        mask = mx.random.bernoulli(keep, x.shape, key=_next_key())
-        return (mask * x) * (1 / keep)
+        threshold = round((1 - self.p) * 65536)
+        key = _next_key()
+        words = mx.random.split(_fresh_key() if key is None else key, (x.size + 3) // 4)  # (n / 4, 2) uint32
+        bits = words.view(mx.uint16).reshape(-1)[: x.size].reshape(x.shape)
+        return mx.where(bits < threshold, x * (65536 / threshold), mx.array(0, x.dtype))
 
 
 def _uses_dropout(modules) -> bool:
@@ -64,8 +76,7 @@ def checkpointed(modules: list[nn.Module], fn, *arrays, enabled: bool = True):
     mode) only its inputs and output are kept for the backward, which recomputes the rest. Every array
     that needs a gradient must come in `arrays` (or be a parameter of `modules`): anything else fn
     reads is a constant to the recomputation."""
-    # a key is two uint32, drawn here from MLX's generator
-    key = mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32) if _uses_dropout(modules) else None
+    key = _fresh_key() if _uses_dropout(modules) else None
 
     if not enabled or not all(m.training for m in modules):
         with _drawing_from(key):

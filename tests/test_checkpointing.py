@@ -77,3 +77,18 @@ def test_a_recomputation_with_fresh_masks_is_caught(monkeypatch):
     want_total, want_grads = gradients(False)
     assert total == pytest.approx(want_total, rel=1e-6)  # the same forward
     assert largest_difference(grads, want_grads) > 0.05
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_drops_a_fraction_p_and_keeps_the_mean(p):
+    dropout = checkpointing.Dropout(p)
+    x = mx.ones((1000, 1000))
+    with checkpointing._drawing_from(mx.random.key(3)):
+        y = np.array(dropout(x))
+    with checkpointing._drawing_from(mx.random.key(3)):
+        again = np.array(dropout(x))
+    assert (y == 0).mean() == pytest.approx(p, abs=0.003)
+    assert y.mean() == pytest.approx(1.0, abs=0.005)
+    np.testing.assert_array_equal(y, again)  # a key gives its masks again
+    dropout.eval()
+    assert dropout(x) is x

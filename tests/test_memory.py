@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
-from test_train import ROOT, TINY, shapes  # noqa: F401  (the fixture)
+from test_train import ROOT, TINY, run, shapes  # noqa: F401  (the fixture)
 
 from deformable_detr import build_criterion, build_model, load_config
 from deformable_detr.data.transforms import make_transforms
@@ -59,7 +59,8 @@ def test_a_budget_too_small_stops_before_any_step(shapes, tmp_path):  # noqa: F8
     output = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), "--config", str(TINY), "--output-dir", str(output)]
     command += [f"data.coco_path={shapes}", "train.memory_limit_gb=0.01"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment)
     assert done.returncode == 1, done.stderr[-2000:]
     message = done.stderr.strip().splitlines()[-1]
     assert message.startswith("error: a training step of the largest batch the data can produce would need about")
@@ -69,3 +70,35 @@ def test_a_budget_too_small_stops_before_any_step(shapes, tmp_path):  # noqa: F8
     assert "train.activation_checkpointing" in message
     assert not (output / "checkpoint.safetensors").exists()
     assert not (output / "log.jsonl").exists() or (output / "log.jsonl").read_text() == ""
+
+
+def test_an_allocation_failure_in_a_step_stops_with_the_advice_and_keeps_the_checkpoint(shapes, tmp_path, monkeypatch):  # noqa: F811
+    """Metal raises "[malloc] Unable to allocate" when a step does not fit: the run ends with the
+    advice and leaves the last checkpoint as it was (simulated here: the CPU back-end cannot raise it)."""
+    import train
+    from deformable_detr import engine
+
+    checkpoint = run(shapes, tmp_path, "train.max_steps=2")
+    before = checkpoint.read_bytes()
+
+    def fails(self, images, mask, targets):
+        raise RuntimeError("[malloc] Unable to allocate 123456789 bytes.")
+
+    monkeypatch.setattr(engine.Trainer, "step", fails)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(
+            [
+                "--config",
+                str(TINY),
+                "--output-dir",
+                str(tmp_path),
+                f"data.coco_path={shapes}",
+                "train.max_steps=4",
+                "--resume",
+                str(checkpoint),
+            ]
+        )
+    message = str(stopped.value.code)
+    assert message.startswith("error: out of memory in a training step of a batch of 2 x 64 x 64 px")
+    assert "lower schedule.batch_size" in message and str(checkpoint) in message
+    assert checkpoint.read_bytes() == before
