@@ -128,7 +128,7 @@ def main(argv=None):
 
     model.train()
     try:
-        estimate = check_memory(trainer, loader.dataset, cfg)
+        estimate = check_memory(trainer, loader.dataset, cfg, log=print if is_main else None)
     except MemoryBudgetError as error:
         sys.exit(f"error: {error}")
     if is_main:

@@ -112,10 +112,16 @@ def estimate_step_memory(trainer, batch: int, height: int, width: int, num_class
     return Estimate(peak, batch, height, width, probes)
 
 
-def check_memory(trainer, train_dataset, cfg) -> Estimate:
+def check_memory(trainer, train_dataset, cfg, log=None) -> Estimate:
     """Raise MemoryBudgetError (its message names the estimate, the budget and what to lower) when a
-    step of the largest batch would not fit; return the estimate otherwise."""
+    step of the largest batch would not fit; return the estimate otherwise. `log`: told what is
+    being measured before the probe steps run."""
     height, width = largest_batch(train_dataset.image_sizes(), cfg.data)
+    if log is not None:
+        log(
+            f"memory: the largest batch the data can produce is {cfg.schedule.batch_size} x {height} x {width} px; "
+            "two probe steps estimate its peak"
+        )
     estimate = estimate_step_memory(trainer, cfg.schedule.batch_size, height, width, cfg.model.num_classes)
     budget = budget_bytes(cfg.train)
     if estimate.peak_bytes > budget:
