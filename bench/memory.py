@@ -10,7 +10,6 @@ the weights (measured after they are evaluated); the optimizer's state is not in
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -78,11 +77,9 @@ def main():
         print(json.dumps(measure(json.loads(args.measure), size)))
         return
     sys.path.insert(0, str(ROOT))
-    from deformable_detr.fast_blas import mkl_runtime
+    from deformable_detr.fast_blas import runtime_environment
 
-    env = dict(os.environ)
-    if mkl_runtime() is not None:
-        env["LD_PRELOAD"] = str(mkl_runtime())
+    env = runtime_environment()
     lines = [
         f"R50 training step, batch 2, {size[0]}x{size[1]}: MLX's peak above the weights, by what is checkpointed",
         "",

@@ -124,11 +124,11 @@ def measure_torch(task, repeats, size, threads):
 def run_side(side, task, repeats, size, threads, checkpointing=False):
     """One side in its own process: its peak memory is its own."""
     sys.path.insert(0, str(ROOT))
-    from deformable_detr.fast_blas import mkl_runtime
+    from deformable_detr.fast_blas import runtime_environment
 
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    if side == "ours" and mkl_runtime() is not None:
-        env["LD_PRELOAD"] = str(mkl_runtime())
+    if side == "ours":
+        env = runtime_environment(env)  # as train.py runs
     command = [sys.executable, __file__, "--measure", side, "--task", task, "--repeats", str(repeats)]
     command += ["--threads", str(threads), "--train-size", f"{size[0]}x{size[1]}"]
     command += ["--checkpointing"] if checkpointing else []

@@ -25,14 +25,23 @@ def mkl_runtime() -> Path | None:
     return None
 
 
+def runtime_environment(environ=None) -> dict:
+    """`environ` (default: this process's) with MKL preloaded and the malloc thresholds set, as the
+    scripts run (the benchmarks start their measured processes with it)."""
+    env = dict(os.environ if environ is None else environ)
+    lib = mkl_runtime()
+    preload = env.get("LD_PRELOAD", "")
+    if lib is not None and "libmkl_rt" not in preload:
+        env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else str(lib)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        env.setdefault(name, str(16 * 2**30))
+    return env
+
+
 def use_mkl():
     if sys.platform != "linux" or os.environ.get("DEFORMABLE_DETR_MKL") == "0":
         return
-    preload = os.environ.get("LD_PRELOAD", "")
-    lib = mkl_runtime()
-    if lib is None or "libmkl_rt" in preload:
+    if mkl_runtime() is None or "libmkl_rt" in os.environ.get("LD_PRELOAD", ""):
         return
-    env = dict(os.environ, LD_PRELOAD=f"{lib}:{preload}" if preload else str(lib))
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
-        env.setdefault(name, str(16 * 2**30))
+    env = runtime_environment()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # orig_argv keeps `-m module`
