@@ -106,9 +106,9 @@ def estimate_step_memory(trainer, batch: int, height: int, width: int, num_class
     pixels_a, pixels_b = size_a[0] * size_a[1], size_b[0] * size_b[1]
     slope = max(peak_b - peak_a, 0) / max(pixels_b - pixels_a, 1)
     peak = peak_b + slope * (height * width - pixels_b)
-    if not trainer.optimizer.state or len(tree_flatten(trainer.optimizer.state)) <= len(trainer.optimizer.optimizers):
-        trainable = sum(v.nbytes for _, v in tree_flatten(trainer.model.trainable_parameters()))
-        peak += 3 * trainable  # AdamW's first update: two moments and the new weights
+    has_moments = any(path.endswith((".m", ".v")) for path, _ in tree_flatten(trainer.optimizer.state))
+    if not has_moments:  # AdamW's first update makes two moments and the new weights
+        peak += 3 * sum(v.nbytes for _, v in tree_flatten(trainer.model.trainable_parameters()))
     return Estimate(peak, batch, height, width, probes)
 
 

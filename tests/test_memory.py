@@ -9,6 +9,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from PIL import Image
 from test_train import ROOT, TINY, run, shapes  # noqa: F401  (the fixture)
 
@@ -53,6 +54,11 @@ def test_estimate_from_probes_is_close_to_the_measured_peak():
     assert [size for size, _ in estimate.probes] == [(128, 160), (181, 226)]
     assert estimate.peak_bytes == pytest.approx(measured, rel=0.1)
     assert estimate.probes[1][1] < 0.8 * measured  # the extrapolation did the work
+
+    fresh = Trainer(model, trainer.criterion, build_optimizer(cfg), cfg)  # AdamW's state not made yet
+    trainable = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
+    before_first_update = estimate_step_memory(fresh, 2, 256, 320, cfg.model.num_classes)
+    assert before_first_update.peak_bytes == pytest.approx(estimate.peak_bytes + 3 * trainable, rel=0.02)
 
 
 def test_a_budget_too_small_stops_before_any_step(shapes, tmp_path):  # noqa: F811
