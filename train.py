@@ -150,9 +150,8 @@ def main(argv=None):
                 except RuntimeError as error:  # Metal's allocation failure; the CPU's was ruled out above
                     if not is_out_of_memory(error):
                         raise
-                    sys.exit(
-                        f"error: {out_of_memory_message(error, images.shape)}; last checkpoint, intact: {checkpoint}"
-                    )
+                    message = out_of_memory_message(error, images.shape, cfg.train.activation_checkpointing)
+                    sys.exit(f"error: {message}; last checkpoint, intact: {checkpoint}")
                 if global_step == 0:
                     norms = sampling_offsets_grad_norms(grads)
                     write({"sampling_offsets_grad_norms": norms})

@@ -19,10 +19,15 @@ from mlx.utils import tree_flatten
 from .data.transforms import resized_shape
 
 GIB = 1024**3
-ADVICE = (
-    "lower schedule.batch_size, data.scales / data.max_size (the image size), or turn on "
-    "train.activation_checkpointing; or raise train.memory_limit_gb if the machine has the memory"
-)
+
+
+def advice(checkpointing: bool) -> str:
+    """What to lower; turning on activation checkpointing only where it is off."""
+    turn_on = "" if checkpointing else ", or turn on train.activation_checkpointing"
+    return (
+        f"lower schedule.batch_size, data.scales / data.max_size (the image size){turn_on}; "
+        "or raise train.memory_limit_gb if the machine has the memory"
+    )
 
 
 class MemoryBudgetError(RuntimeError):
@@ -129,7 +134,7 @@ def check_memory(trainer, train_dataset, cfg, log=None) -> Estimate:
         raise MemoryBudgetError(
             f"a training step of the largest batch the data can produce would need about {estimate.describe()} "
             f"(estimated from probe steps), over the memory budget of {budget / GIB:.1f} GiB ({source}); "
-            f"{ADVICE}"
+            f"{advice(cfg.train.activation_checkpointing)}"
         )
     return estimate
 
@@ -139,6 +144,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("[malloc]" in str(error) or "Unable to allocate" in str(error))
 
 
-def out_of_memory_message(error: BaseException, images_shape) -> str:
+def out_of_memory_message(error: BaseException, images_shape, checkpointing: bool) -> str:
     b, h, w = images_shape[:3]
-    return f"out of memory in a training step of a batch of {b} x {h} x {w} px ({error}); {ADVICE}"
+    return f"out of memory in a training step of a batch of {b} x {h} x {w} px ({error}); {advice(checkpointing)}"

@@ -108,3 +108,10 @@ def test_an_allocation_failure_in_a_step_stops_with_the_advice_and_keeps_the_che
     assert message.startswith("error: out of memory in a training step of a batch of 2 x 64 x 64 px")
     assert "lower schedule.batch_size" in message and str(checkpoint) in message
     assert checkpoint.read_bytes() == before
+
+
+def test_the_advice_names_checkpointing_only_where_it_is_off():
+    from deformable_detr.memory import advice
+
+    assert "turn on train.activation_checkpointing" in advice(False)
+    assert "activation_checkpointing" not in advice(True) and "lower schedule.batch_size" in advice(True)
