@@ -16,7 +16,7 @@ from deformable_detr import build_model, load_config
 from deformable_detr.data import build_dataset
 from deformable_detr.evaluate import coco_stats, predict_detections
 from deformable_detr.fast_blas import use_mkl
-from deformable_detr.model import load_model_weights
+from deformable_detr.weights import load_model_weights
 
 
 def parse_args(argv=None):

@@ -1,7 +1,11 @@
 """Train Deformable DETR.
 
     python train.py --config configs/r50.yaml [--output-dir DIR] [--resume CKPT] [--eval-only]
-                    [--weights W] [section.key=value ...]
+                    [--weights W | --finetune W] [section.key=value ...]
+
+--finetune W starts from a whole model of any number of classes (converted weights or a checkpoint
+of this script): the class heads are rebuilt for this dataset's classes, each row whose category
+name the weights record is carried over, the rest start fresh. Optimizer state is not loaded.
 
 Several machines: `mlx.launch --hosts host1,host2 python train.py --config ...` (data parallel:
 gradients averaged with all_sum, each process its own share of every epoch, rank 0 writes).
@@ -20,7 +24,7 @@ from tqdm import tqdm
 
 from deformable_detr import build_criterion, build_model, load_config
 from deformable_detr.config import config_to_dict
-from deformable_detr.data import DataLoader, build_dataset
+from deformable_detr.data import DataLoader, build_dataset, num_classes_for
 from deformable_detr.engine import (
     Trainer,
     build_optimizer,
@@ -42,8 +46,8 @@ from deformable_detr.memory import (
     is_out_of_memory,
     out_of_memory_message,
 )
-from deformable_detr.model import load_model_weights
-from deformable_detr.predict import class_names, detect
+from deformable_detr.predict import detect
+from deformable_detr.weights import load_for_finetuning, load_model_weights
 from deformable_detr.visualize import draw_detections, grid, plot_curves
 
 
@@ -52,7 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--config", required=True, help="a YAML file of configs/")
     parser.add_argument("--output-dir", type=Path, help="default: output/<config name>")
     parser.add_argument("--resume", type=Path, help="a checkpoint.safetensors written by this script")
-    parser.add_argument("--weights", type=Path, help="start from these weights (e.g. convert --backbone-only)")
+    starts = parser.add_mutually_exclusive_group()
+    starts.add_argument("--weights", type=Path, help="start from these weights (e.g. convert --backbone-only)")
+    starts.add_argument("--finetune", type=Path, help="start from a model with other classes (class heads by name)")
     parser.add_argument("--eval-only", action="store_true", help="evaluate and stop")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. schedule.batch_size=4")
     return parser.parse_args(argv)
@@ -65,6 +71,11 @@ def main(argv=None):
     rank, world_size = group.rank(), group.size()
     is_main = rank == 0
     output_dir = args.output_dir or Path("output") / Path(args.config).stem
+    try:
+        train_set = build_dataset("train", cfg.data)
+        cfg.model.num_classes = num_classes_for(train_set, cfg.model.num_classes)
+    except (FileNotFoundError, ValueError) as error:
+        sys.exit(f"error: {error}")
     if is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
@@ -72,12 +83,13 @@ def main(argv=None):
 
     mx.random.seed(cfg.seed)
     model = build_model(cfg)
-    if args.weights:
-        try:
-            loaded = load_model_weights(model, args.weights, strict=False)
-        except (FileNotFoundError, ValueError) as error:
-            sys.exit(f"error: {error}")
-        print(f"started from {loaded} tensors of {args.weights}")
+    try:
+        if args.weights:
+            print(f"started from {load_model_weights(model, args.weights, strict=False)} tensors of {args.weights}")
+        if args.finetune:
+            print(load_for_finetuning(model, args.finetune, train_set.class_names()))
+    except (FileNotFoundError, ValueError) as error:
+        sys.exit(f"error: {error}")
     freeze_for_training(model, cfg)
     mx.eval(model.parameters())  # materialise the initial weights once, before any step reseeds MLX's generator
     optimizer = build_optimizer(cfg)
@@ -96,7 +108,7 @@ def main(argv=None):
         return
 
     loader = DataLoader(
-        build_dataset("train", cfg.data),
+        train_set,
         cfg.schedule.batch_size,
         shuffle=True,
         seed=cfg.seed,
@@ -119,7 +131,7 @@ def main(argv=None):
 
     def save(at_epoch, at_step):
         if is_main:
-            save_checkpoint(checkpoint, model, optimizer, cfg, at_epoch, at_step, global_step)
+            save_checkpoint(checkpoint, model, optimizer, cfg, at_epoch, at_step, global_step, train_set.class_names())
 
     def write(record):
         if log:
@@ -231,7 +243,7 @@ def write_pictures(model, val, cfg, output_dir, count=6, threshold=0.3):
     """predictions.png: the first val images with what the model finds (scores >= threshold);
     curves.png: loss and AP per epoch."""
     model.eval()
-    names = class_names(cfg.data.coco_path)
+    names = val.class_names()
     drawn = []
     for index in range(min(count, len(val))):
         image, _ = val.load(index)

@@ -209,7 +209,7 @@ def _nearest_indices(size_in: int, size_out: int) -> mx.array:
 
 class Backbone(nn.Module):
     """ResNet body; returns [(features (B, h, w, C), mask (B, h, w))] at strides 8/16/32, or the
-    last only (`return_interm_layers=False`). Training freezes the stem and layer1, as the authors."""
+    last only (`return_interm_layers=False`)."""
 
     def __init__(self, name: str, return_interm_layers: bool = True, dilation: bool = False, width: int = 64):
         super().__init__()
@@ -218,6 +218,20 @@ class Backbone(nn.Module):
         strides = [8, 16, 16 if dilation else 32]
         self.strides = strides if return_interm_layers else strides[-1:]
         self.num_channels = self.body.num_channels if return_interm_layers else self.body.num_channels[-1:]
+
+    def set_trainable(self, train: bool, freeze_stem_and_layer1: bool = True):
+        """Which layers train: none (`train` False); all but the stem and layer1 (the authors'
+        choice for an ImageNet-pretrained backbone); or all. Batch norm never trains."""
+        self.body.unfreeze()
+        for module in self.body.modules():
+            if isinstance(module, FrozenBatchNorm2d):
+                module.freeze()
+        if not train:
+            self.body.freeze()
+        elif freeze_stem_and_layer1:
+            self.body.conv1.freeze()
+            for block in self.body.layer1:
+                block.freeze()
 
     def __call__(self, images: mx.array, mask: mx.array):
         features = self.body(images)

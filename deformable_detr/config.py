@@ -25,7 +25,9 @@ class ModelConfig:
     enc_n_points: int = 4
     dec_n_points: int = 4
     num_queries: int = 300
-    num_classes: int = 91  # COCO category ids run 1..90; index 0 and the gaps are never targets
+    # COCO category ids run 1..90; index 0 and the gaps are never targets. `auto`: the largest
+    # category id of the train annotations + 1 (train.py), or the weights' class count (eval, predict).
+    num_classes: int = field(default=91, metadata={"auto": True})
     with_box_refine: bool = False
     two_stage: bool = False
     aux_loss: bool = True
@@ -138,8 +140,12 @@ def _merge(target, data: dict, source: str, prefix: str):
             if not isinstance(value, dict):
                 raise ValueError(f"{source}: {prefix}{key} must be a mapping")
             _merge(current, value, source, f"{prefix}{key}.")
+        elif value == "auto" and names[key].metadata.get("auto"):
+            setattr(target, key, value)
         else:
-            setattr(target, key, _coerce(value, current, f"{source}: {prefix}{key}"))
+            default = names[key].default
+            expected = current if default is dataclasses.MISSING else default  # `auto` keeps the int type
+            setattr(target, key, _coerce(value, expected, f"{source}: {prefix}{key}"))
 
 
 def _coerce(value, current, where):

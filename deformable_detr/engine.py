@@ -13,6 +13,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .config import Config, config_to_dict
+from .weights import class_names_metadata
 
 
 class GradientCheckError(RuntimeError):
@@ -20,18 +21,9 @@ class GradientCheckError(RuntimeError):
 
 
 def freeze_for_training(model, cfg: Config):
-    """As the authors: frozen batch norm everywhere; the backbone's stem and layer1 do not train
-    (unless `freeze_stem_and_layer1` is off, for a backbone trained from scratch), and with
-    lr_backbone 0 none of it does."""
-    body = model.backbone[0].body
-    if cfg.optimizer.lr_backbone <= 0:
-        body.freeze()
-        return
-    if not cfg.optimizer.freeze_stem_and_layer1:
-        return
-    body.conv1.freeze()
-    for block in body.layer1:
-        block.freeze()
+    """As the authors: the backbone trains (but its stem and layer1, unless `freeze_stem_and_layer1`
+    is off) when lr_backbone > 0."""
+    model.backbone[0].set_trainable(cfg.optimizer.lr_backbone > 0, cfg.optimizer.freeze_stem_and_layer1)
 
 
 def _matches(path: str, names) -> bool:
@@ -140,14 +132,18 @@ class Trainer:
 # come from (seed, epoch, index), so a resumed run draws what the uninterrupted one would.
 
 
-def save_checkpoint(path: Path, model, optimizer, cfg: Config, epoch: int, step: int, global_step: int):
+def save_checkpoint(
+    path: Path, model, optimizer, cfg: Config, epoch: int, step: int, global_step: int, class_names: dict
+):
     """Write to a temporary file, then rename: an interrupted save never leaves a half-written
-    checkpoint in place of the last good one."""
+    checkpoint in place of the last good one. `class_names` ({category id: name}, the training
+    set's) travel with the weights, for prediction and fine-tuning."""
     arrays = {f"model.{k}": v for k, v in tree_flatten(model.parameters())}
     arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
     metadata = {
         "progress": json.dumps({"epoch": epoch, "step": step, "global_step": global_step}),
         "config": json.dumps(config_to_dict(cfg)),
+        **class_names_metadata(class_names),
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,11 +2,9 @@
 `post_process` turns its outputs into scored boxes. A port of the authors' `models/deformable_detr.py`."""
 
 import math
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .backbone import Backbone, Conv2d, resize_mask
 from .box_ops import box_cxcywh_to_xyxy
@@ -195,30 +193,3 @@ def build_model(cfg: Config) -> DeformableDETR:
     )
     model.set_activation_checkpointing(cfg.train.activation_checkpointing)
     return model
-
-
-def load_model_weights(model: DeformableDETR, path, strict: bool = True) -> int:
-    """Load converted weights or the model part of a training checkpoint. Every tensor in the file
-    must be a parameter of the model, of its shape; with `strict`, every parameter must be in the
-    file too (without it, e.g. a backbone from `convert --backbone-only`, the rest keep their
-    initialisation). Errors name the file and key. Returns the number of tensors loaded."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"weights not found: {path}")
-    try:
-        weights = mx.load(str(path))
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
-    if any(k.startswith("model.") for k in weights):  # a training checkpoint
-        weights = {k[len("model.") :]: v for k, v in weights.items() if k.startswith("model.")}
-    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    for key, value in weights.items():
-        if key not in shapes:
-            raise ValueError(f"{path}: {key} is not a parameter of this config's model")
-        if value.shape != shapes[key]:
-            raise ValueError(f"{path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(shapes[key])}")
-    missing = sorted(set(shapes) - set(weights))
-    if strict and missing:
-        raise ValueError(f"{path}: missing key {missing[0]}; is it the checkpoint of this config's model?")
-    model.load_weights(list(weights.items()), strict=strict)
-    return len(weights)

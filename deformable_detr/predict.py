@@ -17,7 +17,8 @@ from PIL import Image, UnidentifiedImageError
 
 from .config import load_config
 from .data.transforms import normalize, resize
-from .model import build_model, load_model_weights, post_process
+from .model import build_model, post_process
+from .weights import load_model_weights
 from .visualize import draw_detections
 
 

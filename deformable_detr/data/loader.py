@@ -1,0 +1,140 @@
+"""Batches from any dataset of the interface in `deformable_detr/data/__init__.py`: a deterministic
+order, per-sample augmentation seeds, padding to the largest image, mlx-data worker threads with
+prefetch."""
+
+import warnings
+
+import numpy as np
+
+
+class BadImageError(RuntimeError):
+    """An image file that is missing or cannot be decoded; the message names it. A dataset raises it
+    from `sample`; the loader skips that sample when the dataset's `skip_bad_images` is set."""
+
+
+def collate(samples):
+    """Pad images to the largest in the batch: -> images (B, H, W, 3), mask (B, H, W) True on
+    padding, and the targets."""
+    height = max(p.shape[0] for p, _ in samples)
+    width = max(p.shape[1] for p, _ in samples)
+    images = np.zeros((len(samples), height, width, 3), np.float32)
+    mask = np.ones((len(samples), height, width), bool)
+    for i, (pixels, _) in enumerate(samples):
+        images[i, : pixels.shape[0], : pixels.shape[1]] = pixels
+        mask[i, : pixels.shape[0], : pixels.shape[1]] = False
+    return images, mask, [t for _, t in samples]
+
+
+class DataLoader:
+    """Deterministic batches: the order is a permutation drawn from (seed, epoch), each sample's
+    augmentation from (seed, epoch, index), so a run resumed at any batch sees the same data.
+    Batches are loaded by `num_workers` mlx-data threads, `prefetch` batches ahead; with several
+    processes each takes every world_size-th batch of the same order."""
+
+    def __init__(
+        self, dataset, batch_size, shuffle=True, seed=0, num_workers=2, prefetch=2, rank=0, world_size=1, drop_last=True
+    ):
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.drop_last = drop_last  # training: equal batches; evaluation: every image
+        self.num_workers, self.prefetch, self.rank, self.world_size = num_workers, prefetch, rank, world_size
+        self.skipped = 0
+
+    def batches_per_epoch(self):
+        return len(self._batches(0))
+
+    def _batches(self, epoch):
+        order = np.arange(len(self.dataset))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if self.drop_last:  # whole batches only, the same number for every process
+            batches = batches[: len(order) // self.batch_size // self.world_size * self.world_size]
+        return batches[self.rank :: self.world_size]
+
+    def epoch(self, epoch: int, start: int = 0):
+        """Yield (images, mask, targets) for `epoch`, from batch `start` on."""
+        import mlx.data as dx
+
+        batches = self._batches(epoch)[start:]
+        if not batches:
+            return
+
+        def load(element):
+            """Runs in an mlx-data thread: nothing may escape it, errors travel back as text."""
+            samples, skipped = [], []
+            try:
+                for i in element["indices"].tolist():
+                    try:
+                        samples.append(self.dataset.sample(i, np.random.default_rng([self.seed, epoch, i])))
+                    except BadImageError as error:
+                        if not self.dataset.skip_bad_images:
+                            raise
+                        skipped.append(str(error))
+            except Exception as error:  # noqa: BLE001
+                packed = {**_pack([], []), "error": _text(f"{type(error).__name__}: {error}")}
+            else:
+                packed = _pack(samples, skipped)
+            return {**packed, "position": element["position"]}
+
+        buffer = dx.buffer_from_vector(
+            [{"indices": np.asarray(b, np.int64), "position": np.array(i)} for i, b in enumerate(batches)]
+        )
+        stream = buffer.to_stream().sample_transform(load).prefetch(self.prefetch, self.num_workers)
+        for element in _in_order(stream):
+            if len(element["error"]):
+                kind, _, message = bytes(element["error"]).decode().partition(": ")
+                raise (BadImageError if kind == "BadImageError" else RuntimeError)(message)
+            for message in filter(None, bytes(element["skipped"]).decode().split("\n")):
+                self.skipped += 1
+                warnings.warn(f"skipping {message}", stacklevel=2)
+            if len(element["counts"]):
+                yield _unpack(element)
+
+
+def _in_order(stream):
+    """mlx-data's worker threads may finish batches out of order: hold early ones back."""
+    waiting, expected = {}, 0
+    for element in stream:
+        waiting[int(element["position"])] = {k: np.array(v, copy=True) for k, v in element.items()}
+        while expected in waiting:
+            yield waiting.pop(expected)
+            expected += 1
+
+
+def _text(message: str) -> np.ndarray:
+    return np.array(bytearray(message.encode()), dtype=np.uint8)
+
+
+def _pack(samples, skipped: list[str]):
+    """A batch as the flat arrays mlx-data carries between threads."""
+    images, mask, targets = (
+        collate(samples) if samples else (np.zeros((0, 1, 1, 3), np.float32), np.zeros((0, 1, 1), bool), [])
+    )
+    return {
+        "images": images,
+        "mask": mask.astype(np.uint8),  # mlx-data carries no bool
+        "skipped": _text("\n".join(skipped)),
+        "error": np.zeros(0, np.uint8),
+        "counts": np.array([len(t["labels"]) for t in targets], np.int64),
+        "labels": np.concatenate([t["labels"] for t in targets] or [np.zeros(0, np.int64)]),
+        "boxes": np.concatenate([t["boxes"] for t in targets] or [np.zeros((0, 4), np.float32)]),
+        "image_id": np.array([t["image_id"] for t in targets], np.int64),
+        "orig_size": np.array([t["orig_size"] for t in targets], np.int64).reshape(-1, 2),
+        "size": np.array([t["size"] for t in targets], np.int64).reshape(-1, 2),
+    }
+
+
+def _unpack(element):
+    ends = np.cumsum(element["counts"])
+    starts = ends - element["counts"]
+    targets = [
+        {
+            "labels": element["labels"][a:b],
+            "boxes": element["boxes"][a:b],
+            "image_id": int(element["image_id"][i]),
+            "orig_size": element["orig_size"][i],
+            "size": element["size"][i],
+        }
+        for i, (a, b) in enumerate(zip(starts, ends, strict=True))
+    ]
+    return element["images"], element["mask"].astype(bool), targets

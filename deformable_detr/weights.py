@@ -1,0 +1,119 @@
+"""Weight files: converted weights (`convert`) and training checkpoints (`train.py`), both
+safetensors, both carrying their category names in the metadata. Loading them whole, and loading
+them to fine-tune on other classes."""
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+CLASS_NAMES_KEY = "category_names"  # safetensors metadata: JSON {category id: name}
+CLASS_HEAD = re.compile(r"class_embed\.\d+\.(weight|bias)$")
+
+
+def class_names_metadata(names: dict) -> dict:
+    """{category id: name} as safetensors metadata (strings only)."""
+    return {CLASS_NAMES_KEY: json.dumps({str(k): v for k, v in sorted(names.items())})} if names else {}
+
+
+def read_weights(path) -> tuple[dict, dict]:
+    """-> (the model's tensors by parameter name, {category id: name} or {} when not recorded).
+    A training checkpoint's optimizer state is left out."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights not found: {path}")
+    try:
+        weights, metadata = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+    if any(k.startswith("model.") for k in weights):  # a training checkpoint
+        weights = {k[len("model.") :]: v for k, v in weights.items() if k.startswith("model.")}
+    try:
+        names = {int(k): str(v) for k, v in json.loads(metadata.get(CLASS_NAMES_KEY, "{}")).items()}
+    except (ValueError, AttributeError):
+        raise ValueError(f"{path}: unreadable {CLASS_NAMES_KEY} metadata") from None
+    return weights, names
+
+
+def read_class_names(path) -> dict:
+    """{category id: name} recorded in a weights file, {} when none."""
+    return read_weights(path)[1]
+
+
+def num_classes_of(path) -> int:
+    """The number of class outputs of the weights in `path` (for `model.num_classes: auto`)."""
+    weights, _ = read_weights(path)
+    if "class_embed.0.bias" not in weights:
+        raise ValueError(f"{path}: no class_embed.0.bias, so model.num_classes cannot be read from it; set it")
+    return weights["class_embed.0.bias"].shape[0]
+
+
+def load_model_weights(model, path, strict: bool = True) -> int:
+    """Load converted weights or the model part of a training checkpoint. Every tensor in the file
+    must be a parameter of the model, of its shape; with `strict`, every parameter must be in the
+    file too (without it, e.g. a backbone from `convert --backbone-only`, the rest keep their
+    initialisation). Errors name the file and key. Returns the number of tensors loaded."""
+    weights, _ = read_weights(path)
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    for key, value in weights.items():
+        if key not in shapes:
+            raise ValueError(f"{path}: {key} is not a parameter of this config's model")
+        if value.shape != shapes[key]:
+            hint = "; weights for other classes: fine-tune from them with train.py --finetune" if CLASS_HEAD.match(key) else ""
+            raise ValueError(
+                f"{path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(shapes[key])}{hint}"
+            )
+    missing = sorted(set(shapes) - set(weights))
+    if strict and missing:
+        raise ValueError(f"{path}: missing key {missing[0]}; is it the checkpoint of this config's model?")
+    model.load_weights(list(weights.items()), strict=strict)
+    return len(weights)
+
+
+def load_for_finetuning(model, path, class_names: dict) -> str:
+    """Load weights of any number of classes into `model`, whose class heads are for `class_names`
+    ({category id: name}, the training set's). Every tensor but the class heads must match the
+    model by name and shape (an error names the first that does not). In every class head, the row
+    (weight and bias) of a category whose name equals, ignoring case, a category name recorded in
+    the file is copied from that category's row; every other row keeps the model's own
+    initialisation. Returns a one-line summary."""
+    weights, source_names = read_weights(path)
+    params = dict(tree_flatten(model.parameters()))
+    for key, value in weights.items():
+        if key not in params:
+            raise ValueError(f"{path}: {key} is not a parameter of this config's model (another variant?)")
+        same = value.shape[1:] == params[key].shape[1:] if CLASS_HEAD.match(key) else value.shape == params[key].shape
+        if not same:
+            raise ValueError(f"{path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(params[key].shape)}")
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise ValueError(f"{path}: missing key {missing[0]}; is it a whole model of this config's variant?")
+
+    num_classes = params["class_embed.0.bias"].shape[0]
+    source_classes = weights["class_embed.0.bias"].shape[0]
+    source_ids = {}
+    for category, name in sorted(source_names.items()):
+        if category < source_classes:
+            source_ids.setdefault(name.casefold(), category)
+    carried = {
+        category: source_ids[name.casefold()]
+        for category, name in sorted(class_names.items())
+        if 0 <= category < num_classes and name.casefold() in source_ids
+    }
+    targets, sources = np.array(list(carried), np.int32), np.array(list(carried.values()), np.int32)
+    for key in (k for k in params if CLASS_HEAD.match(k)):
+        rows = np.array(params[key])
+        rows[targets] = np.array(weights[key])[sources]
+        weights[key] = mx.array(rows)
+    model.load_weights(list(weights.items()))
+
+    old = ", ".join(f"{class_names[t]} ({s} -> {t})" for t, s in carried.items()) or "none"
+    new = ", ".join(f"{n} ({c})" for c, n in sorted(class_names.items()) if c not in carried) or "none"
+    unnamed = "" if source_names else " (the weights record no category names)"
+    return (
+        f"fine-tuning from {path}: {len(weights)} tensors loaded, class heads rebuilt for {num_classes} outputs; "
+        f"carried over by name (id -> id): {old}; new: {new}{unnamed}"
+    )
