@@ -10,13 +10,14 @@ detections_val.json (COCO results format) to --output-dir (default: beside the c
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from deformable_detr import build_model, load_config
 from deformable_detr.data import build_dataset
 from deformable_detr.evaluate import coco_stats, predict_detections
 from deformable_detr.fast_blas import use_mkl
-from deformable_detr.weights import load_model_weights
+from deformable_detr.weights import load_model_weights, num_classes_of, read_class_names
 
 
 def parse_args(argv=None):
@@ -30,12 +31,30 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def name_mismatches(recorded: dict, dataset) -> list[str]:
+    """Where the weights' category names (if recorded) differ from the dataset's at the same id:
+    AP would score one class's detections against another's boxes."""
+    names = dataset.class_names()
+    return [
+        f"category {i} is {recorded[i]!r} in the weights but {names[i]!r} in {dataset.annotation_file}"
+        for i in sorted(set(recorded) & set(names))
+        if recorded[i].casefold() != names[i].casefold()
+    ]
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides + ([f"data.coco_path={args.coco_path}"] if args.coco_path else []))
-    model = build_model(cfg)
-    load_model_weights(model, args.checkpoint)
-    dataset = build_dataset("val", cfg.data)
+    try:
+        if cfg.model.num_classes == "auto":
+            cfg.model.num_classes = num_classes_of(args.checkpoint)
+        model = build_model(cfg)
+        load_model_weights(model, args.checkpoint)
+        dataset = build_dataset("val", cfg.data)
+    except (FileNotFoundError, ValueError) as error:
+        sys.exit(f"error: {error}")
+    for message in name_mismatches(read_class_names(args.checkpoint), dataset):
+        print(f"warning: {message}", file=sys.stderr)
     batch_size = args.batch_size or cfg.schedule.batch_size
     detections = predict_detections(model, dataset, batch_size, cfg.data.num_workers)
     stats = coco_stats(dataset.coco, detections)

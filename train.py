@@ -47,8 +47,8 @@ from deformable_detr.memory import (
     out_of_memory_message,
 )
 from deformable_detr.predict import detect
-from deformable_detr.weights import load_for_finetuning, load_model_weights
 from deformable_detr.visualize import draw_detections, grid, plot_curves
+from deformable_detr.weights import load_for_finetuning, load_model_weights
 
 
 def parse_args(argv=None):

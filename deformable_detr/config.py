@@ -145,7 +145,12 @@ def _merge(target, data: dict, source: str, prefix: str):
         else:
             default = names[key].default
             expected = current if default is dataclasses.MISSING else default  # `auto` keeps the int type
-            setattr(target, key, _coerce(value, expected, f"{source}: {prefix}{key}"))
+            try:
+                setattr(target, key, _coerce(value, expected, f"{source}: {prefix}{key}"))
+            except ValueError as error:
+                if names[key].metadata.get("auto"):
+                    raise ValueError(str(error).replace(" must be int,", " must be int or auto,")) from None
+                raise
 
 
 def _coerce(value, current, where):

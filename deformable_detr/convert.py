@@ -342,8 +342,11 @@ def main(argv=None):
         weights, _, message = convert(args.src, backbone_only=args.backbone_only, dilation=args.dilation)
     except ConversionError as error:
         sys.exit(f"error: {error}")
-    save_weights(weights, args.dst)
+    names = coco_names_for(weights)
+    save_weights(weights, args.dst, names)
     print(message)
+    if names:
+        print(f"category names: the {len(names)} COCO categories at their ids (recorded in the file)")
     print(f"wrote {len(weights)} tensors to {args.dst}")
 
 
@@ -397,14 +400,27 @@ def _huggingface_config(src: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def save_weights(weights: dict, dst: Path):
-    """Write then rename, so an interrupted run never leaves a half-written file."""
+def coco_names_for(weights: dict) -> dict:
+    """The COCO category names when the weights have COCO's 91 class outputs (the authors' released
+    checkpoints and Hugging Face's), else {}."""
+    from .data.coco import COCO_CATEGORY_NAMES
+
+    head = weights.get("class_embed.0.bias")
+    return dict(COCO_CATEGORY_NAMES) if head is not None and head.shape[0] == 91 else {}
+
+
+def save_weights(weights: dict, dst: Path, class_names: dict | None = None):
+    """Write then rename, so an interrupted run never leaves a half-written file. `class_names`
+    ({category id: name}) go into the metadata."""
     from safetensors.numpy import save_file
+
+    from .weights import class_names_metadata
 
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp))
+    metadata = class_names_metadata(class_names or {})
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp), metadata=metadata or None)
     tmp.replace(dst)
 
 

@@ -16,10 +16,11 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from .config import load_config
+from .data import build_dataset
 from .data.transforms import normalize, resize
 from .model import build_model, post_process
-from .weights import load_model_weights
 from .visualize import draw_detections
+from .weights import load_model_weights, num_classes_of, read_class_names
 
 
 def detect(model, image: Image.Image, size: int, max_size: int) -> dict:
@@ -32,13 +33,16 @@ def detect(model, image: Image.Image, size: int, max_size: int) -> dict:
     return {k: np.array(v) for k, v in result.items()}
 
 
-def class_names(coco_path) -> dict:
-    """Category names from the dataset's annotation files, when they are there."""
-    for split in ("val", "train"):
-        path = Path(coco_path) / "annotations" / f"instances_{split}2017.json"
-        if path.is_file():
-            return {c["id"]: c["name"] for c in json.loads(path.read_text())["categories"]}
-    return {}
+def class_names(weights_path, data_cfg) -> dict:
+    """{category id: name} of the model's outputs: those its weights record (converted COCO weights,
+    this project's checkpoints); else the config's dataset's, when its files are there; else {}."""
+    recorded = read_class_names(weights_path)
+    if recorded:
+        return recorded
+    try:
+        return build_dataset("val", data_cfg, prepare=False).class_names()
+    except FileNotFoundError:
+        return {}
 
 
 def open_image(path: Path) -> Image.Image:
@@ -63,12 +67,14 @@ def main(argv=None):
     cfg = load_config(args.config, args.set)
     try:
         images = [open_image(path) for path in args.images]  # every path checked before any work
+        if cfg.model.num_classes == "auto":
+            cfg.model.num_classes = num_classes_of(args.checkpoint)
         model = build_model(cfg)
         load_model_weights(model, args.checkpoint)
     except (FileNotFoundError, ValueError) as error:
         sys.exit(f"error: {error}")
     model.eval()
-    names = class_names(cfg.data.coco_path)
+    names = class_names(args.checkpoint, cfg.data)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for path, image in zip(args.images, images, strict=True):
         detections = detect(model, image, cfg.data.val_size, cfg.data.max_size)

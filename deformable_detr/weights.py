@@ -58,14 +58,16 @@ def load_model_weights(model, path, strict: bool = True) -> int:
     initialisation). Errors name the file and key. Returns the number of tensors loaded."""
     weights, _ = read_weights(path)
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    for key, value in weights.items():
+    for key, value in sorted(weights.items()):
         if key not in shapes:
             raise ValueError(f"{path}: {key} is not a parameter of this config's model")
         if value.shape != shapes[key]:
-            hint = "; weights for other classes: fine-tune from them with train.py --finetune" if CLASS_HEAD.match(key) else ""
-            raise ValueError(
-                f"{path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(shapes[key])}{hint}"
+            hint = (
+                "; weights for other classes: fine-tune from them with train.py --finetune"
+                if CLASS_HEAD.match(key)
+                else ""
             )
+            raise ValueError(f"{path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(shapes[key])}{hint}")
     missing = sorted(set(shapes) - set(weights))
     if strict and missing:
         raise ValueError(f"{path}: missing key {missing[0]}; is it the checkpoint of this config's model?")
@@ -82,7 +84,7 @@ def load_for_finetuning(model, path, class_names: dict) -> str:
     initialisation. Returns a one-line summary."""
     weights, source_names = read_weights(path)
     params = dict(tree_flatten(model.parameters()))
-    for key, value in weights.items():
+    for key, value in sorted(weights.items()):
         if key not in params:
             raise ValueError(f"{path}: {key} is not a parameter of this config's model (another variant?)")
         same = value.shape[1:] == params[key].shape[1:] if CLASS_HEAD.match(key) else value.shape == params[key].shape

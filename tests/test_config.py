@@ -74,3 +74,9 @@ def test_single_scale_model_runs():
     out = model(mx.zeros((1, 64, 64, 3)), mx.zeros((1, 64, 64), dtype=mx.bool_))
     assert out["pred_logits"].shape == (1, 300, 91) and out["pred_boxes"].shape == (1, 300, 4)
     assert len(out["aux_outputs"]) == 1
+
+
+def test_custom_is_r50_with_auto_classes_and_its_own_data():
+    cfg = load_config(CONFIGS_DIR / "custom.yaml")
+    expected = load_config(CONFIGS_DIR / "r50.yaml", ["model.num_classes=auto", "data.coco_path=data/custom"])
+    assert cfg == expected and cfg.model.num_classes == "auto"

@@ -160,3 +160,32 @@ def test_batches_come_in_order_whatever_the_threads_do():
             ids += [t["image_id"] for t in targets]
             time.sleep(0.01)  # a consumer busy with a training step
         assert ids == list(range(24))
+
+
+def test_registered_datasets_are_built_by_name(shapes):
+    from deformable_detr.data import DATASETS, register_dataset
+
+    cfg = load_config(None, [f"data.coco_path={shapes}", "data.dataset=mine"])
+    with pytest.raises(ValueError, match=r"data.dataset 'mine': expected one of coco, shapes"):
+        build_dataset("val", cfg.data)
+    built = []
+
+    @register_dataset("mine")
+    def mine(split, data_cfg, prepare=True):
+        built.append((split, data_cfg.coco_path, prepare))
+        return CocoDetection(data_cfg.coco_path, split)
+
+    try:
+        dataset = build_dataset("val", cfg.data, prepare=False)
+    finally:
+        del DATASETS["mine"]
+    assert built == [("val", str(shapes), False)] and len(dataset) == 4
+    assert dataset.class_names() == {1: "square", 2: "circle", 3: "triangle", 4: "diamond", 5: "cross"}
+    assert dataset.max_category_id() == 5
+
+
+def test_shapes_set_is_not_generated_without_prepare(tmp_path):
+    cfg = load_config(None, [f"data.coco_path={tmp_path / 'shapes'}", "data.dataset=shapes"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_dataset("val", cfg.data, prepare=False)
+    assert not (tmp_path / "shapes").exists()

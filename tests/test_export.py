@@ -50,7 +50,7 @@ def test_a_training_checkpoint_exports_with_its_model_options(tmp_path):
     )
     mx.random.seed(0)
     model = build_model(cfg)
-    save_checkpoint(tmp_path / "checkpoint.safetensors", model, build_optimizer(cfg), cfg, 1, 2, 3)
+    save_checkpoint(tmp_path / "checkpoint.safetensors", model, build_optimizer(cfg), cfg, 1, 2, 3, {1: "thing"})
     summary = export_torch(tmp_path / "checkpoint.safetensors", tmp_path / "exported.pth")
     assert summary.startswith("wrote ") and "in the authors' layout" in summary
 

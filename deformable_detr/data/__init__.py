@@ -66,7 +66,9 @@ def num_classes_for(dataset, num_classes) -> int:
     largest = dataset.max_category_id()
     if num_classes == "auto":
         if largest < 0:
-            raise ValueError(f"{dataset.annotation_file}: no categories, so model.num_classes=auto has nothing to count")
+            raise ValueError(
+                f"{dataset.annotation_file}: no categories, so model.num_classes=auto has nothing to count"
+            )
         return largest + 1
     if largest >= num_classes:
         raise ValueError(
