@@ -85,11 +85,13 @@ def main(argv=None):
     model = build_model(cfg)
     try:
         if args.weights:
-            print(f"started from {load_model_weights(model, args.weights, strict=False)} tensors of {args.weights}")
+            started = f"started from {load_model_weights(model, args.weights, strict=False)} tensors of {args.weights}"
         if args.finetune:
-            print(load_for_finetuning(model, args.finetune, train_set.class_names()))
+            started = load_for_finetuning(model, args.finetune, train_set.class_names())
     except (FileNotFoundError, ValueError) as error:
         sys.exit(f"error: {error}")
+    if is_main and (args.weights or args.finetune):
+        print(started)
     freeze_for_training(model, cfg)
     mx.eval(model.parameters())  # materialise the initial weights once, before any step reseeds MLX's generator
     optimizer = build_optimizer(cfg)
