@@ -13,7 +13,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .config import Config, config_to_dict
-from .weights import class_names_metadata
+from .weights import class_names_metadata, open_safetensors
 
 
 class GradientCheckError(RuntimeError):
@@ -154,13 +154,7 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Restore model and optimizer; return the progress (epoch, step, global_step) and config."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        arrays, metadata = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(f"{path}: not a readable checkpoint ({error})") from None
+    arrays, metadata = open_safetensors(path, "checkpoint", "checkpoint")
     if "progress" not in metadata:
         raise ValueError(
             f"{path}: not a training checkpoint (no progress metadata); to start from weights, "

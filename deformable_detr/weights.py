@@ -19,16 +19,21 @@ def class_names_metadata(names: dict) -> dict:
     return {CLASS_NAMES_KEY: json.dumps({str(k): v for k, v in sorted(names.items())})} if names else {}
 
 
+def open_safetensors(path, kind: str = "weights", readable_as: str = "safetensors file") -> tuple[dict, dict]:
+    """-> (arrays, metadata) of a safetensors file; a missing or unreadable one is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{kind} not found: {path}")
+    try:
+        return mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable {readable_as} ({error})") from None
+
+
 def read_weights(path) -> tuple[dict, dict]:
     """-> (the model's tensors by parameter name, {category id: name} or {} when not recorded).
     A training checkpoint's optimizer state is left out."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"weights not found: {path}")
-    try:
-        weights, metadata = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+    weights, metadata = open_safetensors(path)
     if any(k.startswith("model.") for k in weights):  # a training checkpoint
         weights = {k[len("model.") :]: v for k, v in weights.items() if k.startswith("model.")}
     try:
@@ -51,26 +56,32 @@ def num_classes_of(path) -> int:
     return weights["class_embed.0.bias"].shape[0]
 
 
+def check_keys(model, weights: dict, path, strict: bool, any_class_count: bool = False):
+    """Every tensor of `weights` must be a parameter of `model`, of its shape (with
+    `any_class_count`, the class heads of any number of rows); with `strict`, every parameter must
+    be there. The error names the file and the first key, in sorted order, that does not match."""
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    for key, value in sorted(weights.items()):
+        if key not in shapes:
+            raise ValueError(f"{path}: {key} is not a parameter of this config's model")
+        other_classes_allowed = any_class_count and CLASS_HEAD.match(key)
+        compared = slice(1, None) if other_classes_allowed else slice(None)
+        if value.shape[compared] != shapes[key][compared]:
+            other_classes = CLASS_HEAD.match(key) and not any_class_count and value.shape[1:] == shapes[key][1:]
+            hint = "; weights for other classes: fine-tune from them with train.py --finetune" if other_classes else ""
+            raise ValueError(f"{path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(shapes[key])}{hint}")
+    missing = sorted(set(shapes) - set(weights))
+    if strict and missing:
+        raise ValueError(f"{path}: missing key {missing[0]}; is it the checkpoint of this config's model?")
+
+
 def load_model_weights(model, path, strict: bool = True) -> int:
     """Load converted weights or the model part of a training checkpoint. Every tensor in the file
     must be a parameter of the model, of its shape; with `strict`, every parameter must be in the
     file too (without it, e.g. a backbone from `convert --backbone-only`, the rest keep their
     initialisation). Errors name the file and key. Returns the number of tensors loaded."""
     weights, _ = read_weights(path)
-    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    for key, value in sorted(weights.items()):
-        if key not in shapes:
-            raise ValueError(f"{path}: {key} is not a parameter of this config's model")
-        if value.shape != shapes[key]:
-            hint = (
-                "; weights for other classes: fine-tune from them with train.py --finetune"
-                if CLASS_HEAD.match(key)
-                else ""
-            )
-            raise ValueError(f"{path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(shapes[key])}{hint}")
-    missing = sorted(set(shapes) - set(weights))
-    if strict and missing:
-        raise ValueError(f"{path}: missing key {missing[0]}; is it the checkpoint of this config's model?")
+    check_keys(model, weights, path, strict)
     model.load_weights(list(weights.items()), strict=strict)
     return len(weights)
 
@@ -83,17 +94,8 @@ def load_for_finetuning(model, path, class_names: dict) -> str:
     the file is copied from that category's row; every other row keeps the model's own
     initialisation. Returns a one-line summary."""
     weights, source_names = read_weights(path)
+    check_keys(model, weights, path, strict=True, any_class_count=True)
     params = dict(tree_flatten(model.parameters()))
-    for key, value in sorted(weights.items()):
-        if key not in params:
-            raise ValueError(f"{path}: {key} is not a parameter of this config's model (another variant?)")
-        same = value.shape[1:] == params[key].shape[1:] if CLASS_HEAD.match(key) else value.shape == params[key].shape
-        if not same:
-            raise ValueError(f"{path}: {key} has shape {tuple(value.shape)}; the model's is {tuple(params[key].shape)}")
-    missing = sorted(set(params) - set(weights))
-    if missing:
-        raise ValueError(f"{path}: missing key {missing[0]}; is it a whole model of this config's variant?")
-
     num_classes = params["class_embed.0.bias"].shape[0]
     source_classes = weights["class_embed.0.bias"].shape[0]
     source_ids = {}
