@@ -140,24 +140,21 @@ def _merge(target, data: dict, source: str, prefix: str):
             if not isinstance(value, dict):
                 raise ValueError(f"{source}: {prefix}{key} must be a mapping")
             _merge(current, value, source, f"{prefix}{key}.")
-        elif value == "auto" and names[key].metadata.get("auto"):
-            setattr(target, key, value)
         else:
             default = names[key].default
-            expected = current if default is dataclasses.MISSING else default  # `auto` keeps the int type
-            try:
-                setattr(target, key, _coerce(value, expected, f"{source}: {prefix}{key}"))
-            except ValueError as error:
-                if names[key].metadata.get("auto"):
-                    raise ValueError(str(error).replace(" must be int,", " must be int or auto,")) from None
-                raise
+            expected = current if default is dataclasses.MISSING else default  # a current `auto` is no type
+            setattr(target, key, _coerce(value, expected, f"{source}: {prefix}{key}", names[key].metadata.get("auto")))
 
 
-def _coerce(value, current, where):
-    """Keep each key's type: an int where a float is expected is fine, anything else is an error."""
+def _coerce(value, current, where, auto=False):
+    """Keep each key's type: an int where a float is expected is fine, `auto` where the field allows
+    it, anything else is an error."""
+    if auto and value == "auto":
+        return value
+    kind = type(current).__name__ + (" or auto" if auto else "")
     if isinstance(current, bool) or isinstance(value, bool):
         if not (isinstance(current, bool) and isinstance(value, bool)):
-            raise ValueError(f"{where} must be {type(current).__name__}, got {value!r}")
+            raise ValueError(f"{where} must be {kind}, got {value!r}")
         return value
     if isinstance(current, float) and isinstance(value, int):
         return float(value)
@@ -167,7 +164,7 @@ def _coerce(value, current, where):
         except ValueError:
             pass
     if not isinstance(value, type(current)):
-        raise ValueError(f"{where} must be {type(current).__name__}, got {value!r}")
+        raise ValueError(f"{where} must be {kind}, got {value!r}")
     return value
 
 
