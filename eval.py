@@ -13,11 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-from deformable_detr import build_model, load_config
+from deformable_detr import load_config
+from deformable_detr.cli import entry_point
 from deformable_detr.data import build_dataset
-from deformable_detr.evaluate import coco_stats, predict_detections
-from deformable_detr.fast_blas import use_mkl
-from deformable_detr.weights import load_model_weights, num_classes_of, read_class_names
+from deformable_detr.evaluation import evaluate
+from deformable_detr.weights import load_trained_model
 
 
 def parse_args(argv=None):
@@ -42,22 +42,15 @@ def name_mismatches(recorded: dict, dataset) -> list[str]:
     ]
 
 
+@entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides + ([f"data.coco_path={args.coco_path}"] if args.coco_path else []))
-    try:
-        if cfg.model.num_classes == "auto":
-            cfg.model.num_classes = num_classes_of(args.checkpoint)
-        model = build_model(cfg)
-        load_model_weights(model, args.checkpoint)
-        dataset = build_dataset("val", cfg.data)
-    except (FileNotFoundError, ValueError) as error:
-        sys.exit(f"error: {error}")
-    for message in name_mismatches(read_class_names(args.checkpoint), dataset):
+    model, recorded_names = load_trained_model(args.checkpoint, cfg)
+    dataset = build_dataset("val", cfg.data)
+    for message in name_mismatches(recorded_names, dataset):
         print(f"warning: {message}", file=sys.stderr)
-    batch_size = args.batch_size or cfg.schedule.batch_size
-    detections = predict_detections(model, dataset, batch_size, cfg.data.num_workers)
-    stats = coco_stats(dataset.coco, detections)
+    stats, detections = evaluate(model, dataset, args.batch_size or cfg.schedule.batch_size, cfg.data.num_workers, True)
     output_dir = args.output_dir or args.checkpoint.parent
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "detections_val.json").write_text(json.dumps(detections))
@@ -67,5 +60,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    use_mkl()
     main()

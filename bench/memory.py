@@ -31,18 +31,16 @@ def measure(parts, size):
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from deformable_detr import build_criterion, build_model, load_config
-    from deformable_detr.engine import Trainer, build_optimizer, freeze_for_training
+    from deformable_detr import build_model, load_config
+    from deformable_detr.engine import Trainer
 
     cfg = load_config(ROOT / "configs" / "r50.yaml", ["train.activation_checkpointing=false"])
     model = build_model(cfg)
-    freeze_for_training(model, cfg)
-    mx.eval(model.parameters())
+    trainer = Trainer.from_config(model, cfg)
     if parts:
         model.backbone[0].body.activation_checkpointing = "backbone" in parts
         model.transformer.encoder.activation_checkpointing = "encoder" in parts
         model.transformer.decoder.activation_checkpointing = "decoder" in parts
-    trainer = Trainer(model, build_criterion(cfg), build_optimizer(cfg), cfg)
     rng = np.random.default_rng(0)
     images = mx.array(rng.standard_normal((2, *size, 3)).astype(np.float32))
     mask = mx.zeros((2, *size), dtype=mx.bool_)
@@ -77,7 +75,7 @@ def main():
         print(json.dumps(measure(json.loads(args.measure), size)))
         return
     sys.path.insert(0, str(ROOT))
-    from deformable_detr.fast_blas import runtime_environment
+    from deformable_detr.runtime import runtime_environment
 
     env = runtime_environment()
     lines = [

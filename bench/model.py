@@ -45,8 +45,8 @@ def measure_ours(task, repeats, size, checkpointing):
 
     sys.path.insert(0, str(ROOT))
     import kernels
-    from deformable_detr import build_criterion, build_model, load_config
-    from deformable_detr.engine import Trainer, build_optimizer, freeze_for_training
+    from deformable_detr import build_model, load_config
+    from deformable_detr.engine import Trainer
 
     overrides = [f"train.activation_checkpointing={str(checkpointing).lower()}"]
     cfg = load_config(ROOT / "configs" / "r50.yaml", overrides + ([] if task == "train" else ["model.dropout=0.0"]))
@@ -61,9 +61,7 @@ def measure_ours(task, repeats, size, checkpointing):
         x, m = mx.array(images), mx.array(mask)
         seconds = median_time(lambda: mx.eval(model(x, m)), repeats)
     else:
-        freeze_for_training(model, cfg)
-        mx.eval(model.parameters())
-        trainer = Trainer(model, build_criterion(cfg), build_optimizer(cfg), cfg)
+        trainer = Trainer.from_config(model, cfg)
         targets = [
             {k: np.array(v, np.float32 if k == "boxes" else np.int64) for k, v in t.items()} for t in targets_for(batch)
         ]
@@ -124,7 +122,7 @@ def measure_torch(task, repeats, size, threads):
 def run_side(side, task, repeats, size, threads, checkpointing=False):
     """One side in its own process: its peak memory is its own."""
     sys.path.insert(0, str(ROOT))
-    from deformable_detr.fast_blas import runtime_environment
+    from deformable_detr.runtime import runtime_environment
 
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if side == "ours":

@@ -20,18 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(config: str, steps: int, size: int) -> dict:
-    import mlx.core as mx
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from deformable_detr import build_criterion, build_model, load_config
-    from deformable_detr.engine import Trainer, build_optimizer, freeze_for_training
+    from deformable_detr import build_model, load_config
+    from deformable_detr.engine import Trainer
 
     cfg = load_config(config)
     model = build_model(cfg)
-    freeze_for_training(model, cfg)
-    mx.eval(model.parameters())
-    trainer = Trainer(model, build_criterion(cfg), build_optimizer(cfg), cfg)
+    trainer = Trainer.from_config(model, cfg)
     rng = np.random.default_rng(0)
     batch = cfg.schedule.batch_size
     images = rng.standard_normal((batch, size, size, 3)).astype(np.float32)
@@ -62,7 +59,7 @@ def main():
         return
 
     sys.path.insert(0, str(ROOT))
-    from deformable_detr.fast_blas import mkl_runtime
+    from deformable_detr.runtime import mkl_runtime
 
     command = [
         sys.executable,

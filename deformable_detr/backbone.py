@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .checkpointing import checkpointed
+from .recompute import checkpointed
 
 # name -> (block, blocks per stage)
 ARCHITECTURES = {
@@ -176,7 +176,7 @@ class ResNet(nn.Module):
                 in_channels = channels * block.expansion
             setattr(self, f"layer{stage + 1}", blocks)
         self.num_channels = [c * block.expansion for c in widths[1:]]
-        self.activation_checkpointing = False  # recompute layer2..layer4 in the backward (checkpointing.py)
+        self.activation_checkpointing = False  # recompute layer2..layer4 in the backward (recompute.py)
 
     def __call__(self, x):
         x = self.maxpool(nn.relu(self.bn1(self.conv1(x))))

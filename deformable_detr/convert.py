@@ -18,10 +18,13 @@ torch is needed only for `.pth` / `.bin` input (`pip install -e ".[convert]"`).
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+
+from .cli import entry_point
+from .weights import open_safetensors, save_weights
 
 
 class ConversionError(ValueError):
@@ -44,13 +47,11 @@ def read_checkpoint(path: Path) -> tuple[dict, dict]:
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
     if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
-
         try:
-            return load_file(str(path)), {}
-        except (SafetensorError, OSError, ValueError) as error:
-            raise ConversionError(f"{path}: not a readable safetensors file ({error})") from None
+            arrays, _ = open_safetensors(path)
+        except ValueError as error:
+            raise ConversionError(str(error)) from None
+        return {k: np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v) for k, v in arrays.items()}, {}
     return _read_torch(path)
 
 
@@ -322,6 +323,7 @@ def _rename(key: str, rules) -> str:
 # command line
 
 
+@entry_point
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m deformable_detr.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -338,12 +340,9 @@ def main(argv=None):
         help="the checkpoint is DC5 (not visible in its keys when the checkpoint has no args)",
     )
     args = parser.parse_args(argv)
-    try:
-        weights, _, message = convert(args.src, backbone_only=args.backbone_only, dilation=args.dilation)
-    except ConversionError as error:
-        sys.exit(f"error: {error}")
+    weights, _, message = convert(args.src, backbone_only=args.backbone_only, dilation=args.dilation)
     names = coco_names_for(weights)
-    save_weights(weights, args.dst, names)
+    save_weights(args.dst, weights, names)
     print(message)
     if names:
         print(f"category names: the {len(names)} COCO categories at their ids (recorded in the file)")
@@ -407,21 +406,6 @@ def coco_names_for(weights: dict) -> dict:
 
     head = weights.get("class_embed.0.bias")
     return dict(COCO_CATEGORY_NAMES) if head is not None and head.shape[0] == 91 else {}
-
-
-def save_weights(weights: dict, dst: Path, class_names: dict | None = None):
-    """Write then rename, so an interrupted run never leaves a half-written file. `class_names`
-    ({category id: name}) go into the metadata."""
-    from safetensors.numpy import save_file
-
-    from .weights import class_names_metadata
-
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".tmp")
-    metadata = class_names_metadata(class_names or {})
-    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp), metadata=metadata or None)
-    tmp.replace(dst)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from .checkpointing import Dropout, checkpointed
 from .ms_deform_attn import MSDeformAttn
 from .position_encoding import sine_embedding
+from .recompute import Dropout, checkpointed
 
 
 def inverse_sigmoid(x: mx.array, eps: float = 1e-5) -> mx.array:
@@ -67,7 +67,7 @@ class DeformableTransformerEncoder(nn.Module):
     def __init__(self, num_layers: int, **layer_args):
         super().__init__()
         self.layers = [DeformableTransformerEncoderLayer(**layer_args) for _ in range(num_layers)]
-        self.activation_checkpointing = False  # recompute each layer in the backward (checkpointing.py)
+        self.activation_checkpointing = False  # recompute each layer in the backward (recompute.py)
 
     @staticmethod
     def reference_points(spatial_shapes, valid_ratios):
@@ -122,7 +122,7 @@ class DeformableTransformerDecoder(nn.Module):
     def __init__(self, num_layers: int, **layer_args):
         super().__init__()
         self.layers = [DeformableTransformerDecoderLayer(**layer_args) for _ in range(num_layers)]
-        self.activation_checkpointing = False  # recompute each layer in the backward (checkpointing.py)
+        self.activation_checkpointing = False  # recompute each layer in the backward (recompute.py)
 
     def __call__(
         self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask, bbox_embed=None

@@ -1,22 +1,20 @@
-"""Training pieces: what trains at which learning rate, one optimisation step, the first-step
-gradient check, checkpoints. `train.py` strings them together."""
+"""The trainer: what trains at which learning rate, one optimisation step, and the first step's
+check that every `sampling_offsets` layer learns. The loop around it is `training.py`."""
 
-import json
 import math
-import os
 import re
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map
 
-from .config import Config, config_to_dict
-from .weights import class_names_metadata, open_safetensors
+from .cli import CommandError
+from .config import Config
+from .criterion import build_criterion
 
 
-class GradientCheckError(RuntimeError):
+class GradientCheckError(CommandError):
     """A `sampling_offsets` layer got a zero or non-finite gradient on the first step."""
 
 
@@ -59,13 +57,14 @@ def set_epoch_learning_rates(optimizer, cfg: Config, epoch: int):
 
 
 def sampling_offsets_grad_norms(grads) -> dict:
-    """Gradient norm of every sampling_offsets layer (weight and bias together), by module path."""
+    """Gradient norm of every sampling_offsets layer (weight and bias together), by module path, as
+    lazy arrays (evaluated with the step)."""
     squares = {}
     for path, grad in tree_flatten(grads):
         match = re.match(r"(.*\.sampling_offsets)\.(weight|bias)$", path)
         if match:
-            squares[match[1]] = squares.get(match[1], 0.0) + float((grad.astype(mx.float32) ** 2).sum().item())
-    return {path: math.sqrt(total) for path, total in squares.items()}
+            squares[match[1]] = squares.get(match[1], 0.0) + (grad.astype(mx.float32) ** 2).sum()
+    return {path: mx.sqrt(total) for path, total in squares.items()}
 
 
 def check_sampling_offsets(norms: dict):
@@ -89,13 +88,29 @@ class Trainer:
     """One optimisation step: forward, matched losses, backward, (all-reduce), clip, AdamW.
     `mx.eval` once per step, and nothing evaluates before it: the Hungarian matching and the CPU
     attention kernel are lazy MLX operations, so MLX frees each intermediate as soon as the backward
-    is done with it (an evaluation inside the differentiated function would keep them all)."""
+    is done with it (an evaluation inside the differentiated function would keep them all).
+
+    On its first step the trainer measures the gradient of every `sampling_offsets` layer
+    (`sampling_offsets_grad_norms`) and, with `train.check_sampling_offsets`, stops with
+    GradientCheckError if one is zero or not finite: that layer could never learn where to look."""
 
     def __init__(self, model, criterion, optimizer, cfg: Config, group=None):
         self.model, self.criterion, self.optimizer, self.cfg = model, criterion, optimizer, cfg
         self.group = group
         self.world_size = group.size() if group is not None else 1
         self.loss_and_grad = nn.value_and_grad(model, self._loss)
+        self.steps = 0  # taken by this trainer
+        self.sampling_offsets_grad_norms = None  # of the first step, by layer
+
+    @classmethod
+    def from_config(cls, model, cfg: Config, group=None):
+        """The trainer of `cfg` for `model`: the recipe's frozen layers, AdamW with the authors'
+        parameter groups, the matched losses; data parallel over `group` when it has several
+        processes."""
+        freeze_for_training(model, cfg)
+        mx.eval(model.parameters())  # materialise the initial weights once, before any step reseeds MLX's generator
+        parallel = group is not None and group.size() > 1
+        return cls(model, build_criterion(cfg), build_optimizer(cfg), cfg, group if parallel else None)
 
     def _loss(self, images, mask, targets, num_boxes):
         losses = self.criterion(self.model(images, mask), targets, num_boxes)
@@ -108,8 +123,8 @@ class Trainer:
             count = mx.distributed.all_sum(count, group=self.group) / self.world_size
         return max(count.item(), 1.0)
 
-    def step(self, images, mask, targets):
-        """-> (losses as floats, gradients before clipping, their global norm)."""
+    def step(self, images, mask, targets) -> tuple[dict, float]:
+        """-> (the losses as floats, the gradients' global norm before clipping)."""
         images, mask = mx.array(images), mx.array(mask)
         (total, losses), grads = self.loss_and_grad(images, mask, targets, self.num_boxes(targets))
         if self.world_size > 1:
@@ -117,51 +132,17 @@ class Trainer:
         max_norm = self.cfg.optimizer.clip_max_norm
         clipped, grad_norm = optim.clip_grad_norm(grads, max_norm if max_norm > 0 else math.inf)
         self.optimizer.update(self.model, clipped)
-        mx.eval(self.model.parameters(), self.optimizer.state, total, losses, grad_norm)
+        first_norms = sampling_offsets_grad_norms(grads) if self.steps == 0 else {}
+        del grads, clipped  # held by the graph alone, MLX frees each as soon as the update has used it
+        mx.eval(self.model.parameters(), self.optimizer.state, total, losses, grad_norm, first_norms)
+        self.steps += 1
+        if self.steps == 1:
+            self.sampling_offsets_grad_norms = {k: v.item() for k, v in first_norms.items()}
+            if self.cfg.train.check_sampling_offsets:
+                check_sampling_offsets(self.sampling_offsets_grad_norms)
         values = {k: v.item() for k, v in losses.items()}
         values["loss"] = total.item()
         if self.world_size > 1:  # report the mean over processes
             stacked = mx.distributed.all_sum(mx.array([values[k] for k in values]), group=self.group)
             values = dict(zip(values, (stacked / self.world_size).tolist(), strict=True))
-        return values, grads, grad_norm.item()
-
-
-# ---------------------------------------------------------------------------------------------
-# checkpoints: one safetensors file (model, optimizer) with the progress and config as metadata. No
-# RNG state: each step seeds MLX's generator from (seed, step), and the data order and augmentations
-# come from (seed, epoch, index), so a resumed run draws what the uninterrupted one would.
-
-
-def save_checkpoint(
-    path: Path, model, optimizer, cfg: Config, epoch: int, step: int, global_step: int, class_names: dict
-):
-    """Write to a temporary file, then rename: an interrupted save never leaves a half-written
-    checkpoint in place of the last good one. `class_names` ({category id: name}, the training
-    set's) travel with the weights, for prediction and fine-tuning."""
-    arrays = {f"model.{k}": v for k, v in tree_flatten(model.parameters())}
-    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
-    metadata = {
-        "progress": json.dumps({"epoch": epoch, "step": step, "global_step": global_step}),
-        "config": json.dumps(config_to_dict(cfg)),
-        **class_names_metadata(class_names),
-    }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.safetensors")  # mx.save_safetensors insists on the suffix
-    mx.save_safetensors(str(tmp), arrays, metadata=metadata)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: Path, model, optimizer) -> dict:
-    """Restore model and optimizer; return the progress (epoch, step, global_step) and config."""
-    arrays, metadata = open_safetensors(path, "checkpoint", "checkpoint")
-    if "progress" not in metadata:
-        raise ValueError(
-            f"{path}: not a training checkpoint (no progress metadata); to start from weights, "
-            "load them into the model instead"
-        )
-    model.load_weights([(k[len("model.") :], v) for k, v in arrays.items() if k.startswith("model.")])
-    optimizer.state = tree_unflatten(
-        [(k[len("optimizer.") :], v) for k, v in arrays.items() if k.startswith("optimizer.")]
-    )
-    return {**json.loads(metadata["progress"]), "config": json.loads(metadata["config"])}
+        return values, grad_norm.item()

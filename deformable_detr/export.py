@@ -12,14 +12,14 @@ and checks that every tensor comes back unchanged. Needs PyTorch (`pip install -
 """
 
 import argparse
-import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from .cli import entry_point
 from .convert import ConversionError, sanitize
+from .weights import atomic_write, read_weights
 
 # ModelConfig fields -> the authors' argparse names, for the args they read to build the model.
 AUTHORS_ARGS = (
@@ -39,28 +39,15 @@ AUTHORS_ARGS = (
 )
 
 
-def read_weights(path: Path) -> tuple[dict, dict | None]:
+def read_port_weights(path: Path) -> tuple[dict, dict | None]:
     """-> (this port's weights as numpy arrays, the model config dict of a training checkpoint or
     None)."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConversionError(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="numpy") as file:
-            metadata = file.metadata() or {}
-            weights = {key: file.get_tensor(key) for key in file.keys()}
-    except (SafetensorError, OSError, ValueError) as error:
-        raise ConversionError(f"{path}: not a readable safetensors file ({error})") from None
-    if any(key.startswith("model.") for key in weights):  # a training checkpoint
-        weights = {key[len("model.") :]: value for key, value in weights.items() if key.startswith("model.")}
-    if "class_embed.0.weight" not in weights or "transformer.level_embed" not in weights:
+    weights = read_weights(path)
+    if "class_embed.0.weight" not in weights.tensors or "transformer.level_embed" not in weights.tensors:
         raise ConversionError(
             f"{path}: not Deformable DETR weights (no class_embed.0.weight / transformer.level_embed)"
         )
-    config = json.loads(metadata["config"])["model"] if "config" in metadata else None
-    return weights, config
+    return {k: np.array(v) for k, v in weights.tensors.items()}, (weights.config or {}).get("model")
 
 
 def to_authors(weights: dict) -> dict:
@@ -97,7 +84,7 @@ def export_torch(src: Path, dst: Path, config_path: Path | None = None) -> str:
         raise ConversionError(
             "exporting to PyTorch needs PyTorch; install it with pip install -e '.[convert]'"
         ) from None
-    weights, config = read_weights(src)
+    weights, config = read_port_weights(src)
     if config_path is not None:
         from .config import config_to_dict, load_config
 
@@ -106,16 +93,14 @@ def export_torch(src: Path, dst: Path, config_path: Path | None = None) -> str:
     back = sanitize(state, source=str(src))
     if back.keys() != weights.keys() or any(not np.array_equal(back[k], weights[k]) for k in weights):
         raise ConversionError(f"{src}: the exported state_dict does not convert back to the same weights")
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".tmp")
     checkpoint = {"model": {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}}
     checkpoint["args"] = authors_args(config)
-    torch.save(checkpoint, tmp)
-    tmp.replace(dst)
+    with atomic_write(dst) as tmp:
+        torch.save(checkpoint, tmp)
     return f"wrote {len(state)} tensors ({len(weights)} distinct) in the authors' layout to {dst}"
 
 
+@entry_point
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m deformable_detr.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--to", choices=["torch"], required=True, help="the target layout")
@@ -123,10 +108,7 @@ def main(argv=None):
     parser.add_argument("dst", type=Path, help="the .pth file to write")
     parser.add_argument("--config", type=Path, help="the model's config, for args the weights cannot show")
     args = parser.parse_args(argv)
-    try:
-        print(export_torch(args.src, args.dst, args.config))
-    except (ConversionError, FileNotFoundError) as error:
-        sys.exit(f"error: {error}")
+    print(export_torch(args.src, args.dst, args.config))
 
 
 if __name__ == "__main__":

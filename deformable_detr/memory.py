@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .cli import CommandError
 from .data.transforms import resized_shape
 
 GIB = 1024**3
@@ -30,7 +31,7 @@ def advice(checkpointing: bool) -> str:
     )
 
 
-class MemoryBudgetError(RuntimeError):
+class MemoryBudgetError(CommandError):
     """A training step would need more memory than the budget."""
 
 

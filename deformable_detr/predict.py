@@ -8,19 +8,19 @@ detection: label, name, score, box x0, y0, x1, y1 in pixels)."""
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from .cli import entry_point
 from .config import load_config
 from .data import build_dataset
 from .data.transforms import normalize, resize
-from .model import build_model, post_process
+from .model import post_process
 from .visualize import draw_detections
-from .weights import load_model_weights, num_classes_of, read_class_names
+from .weights import load_trained_model
 
 
 def detect(model, image: Image.Image, size: int, max_size: int) -> dict:
@@ -33,10 +33,9 @@ def detect(model, image: Image.Image, size: int, max_size: int) -> dict:
     return {k: np.array(v) for k, v in result.items()}
 
 
-def class_names(weights_path, data_cfg) -> dict:
+def class_names(recorded: dict, data_cfg) -> dict:
     """{category id: name} of the model's outputs: those its weights record (converted COCO weights,
     this project's checkpoints); else the config's dataset's, when its files are there; else {}."""
-    recorded = read_class_names(weights_path)
     if recorded:
         return recorded
     try:
@@ -55,6 +54,7 @@ def open_image(path: Path) -> Image.Image:
         raise ValueError(f"{path}: cannot read it as an image ({error})") from None
 
 
+@entry_point
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m deformable_detr.predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
@@ -65,16 +65,9 @@ def main(argv=None):
     parser.add_argument("images", nargs="+", type=Path)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
-    try:
-        images = [open_image(path) for path in args.images]  # every path checked before any work
-        if cfg.model.num_classes == "auto":
-            cfg.model.num_classes = num_classes_of(args.checkpoint)
-        model = build_model(cfg)
-        load_model_weights(model, args.checkpoint)
-    except (FileNotFoundError, ValueError) as error:
-        sys.exit(f"error: {error}")
-    model.eval()
-    names = class_names(args.checkpoint, cfg.data)
+    images = [open_image(path) for path in args.images]  # every path checked before any work
+    model, recorded_names = load_trained_model(args.checkpoint, cfg)
+    names = class_names(recorded_names, cfg.data)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for path, image in zip(args.images, images, strict=True):
         detections = detect(model, image, cfg.data.val_size, cfg.data.max_size)
@@ -89,7 +82,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from .fast_blas import use_mkl
-
-    use_mkl()
     main()

@@ -1,17 +1,99 @@
-"""Weight files: converted weights (`convert`) and training checkpoints (`train.py`), both
-safetensors, both carrying their category names in the metadata. Loading them whole, and loading
-them to fine-tune on other classes."""
+"""Every weights file: training checkpoints (`train.py`), converted weights (`convert`), exported ones
+(`export`). One writer makes each of them appear whole or not at all; one reader opens the
+safetensors ones, whose metadata carry the category names (and, in a checkpoint, the progress and
+config). Loading a trained model, loading some of a model's weights, and loading weights of other
+classes to fine-tune are here too."""
 
 import json
+import os
 import re
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .config import Config, config_to_dict
 
 CLASS_NAMES_KEY = "category_names"  # safetensors metadata: JSON {category id: name}
 CLASS_HEAD = re.compile(r"class_embed\.\d+\.(weight|bias)$")
+
+
+# ---------------------------------------------------------------------------------------------
+# writing and reading files
+
+
+@contextmanager
+def atomic_write(path):
+    """Yield a temporary path beside `path` to write the file to; then flush it to the disk and
+    rename it over `path`, and sync the directory: a crash, a kill or a power cut at any moment
+    leaves either the previous file or the new one, never a part of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.tmp{path.suffix}")  # the same suffix: mx.save_safetensors insists on it
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync(path: Path):
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_safetensors(path, arrays: dict, metadata: dict):
+    """`arrays` (MLX or numpy, by name) and string `metadata` as one safetensors file, atomically."""
+    arrays = {k: v if isinstance(v, mx.array) else mx.array(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    with atomic_write(path) as tmp:
+        mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+
+
+def open_safetensors(path) -> tuple[dict, dict]:
+    """-> (arrays, metadata) of a safetensors file; a missing or unreadable one is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+@dataclass
+class WeightsFile:
+    """What a weights file holds: the model's tensors by parameter name, the category names
+    ({id: name}, {} when not recorded) and, in a training checkpoint, the optimizer state, progress
+    and config."""
+
+    path: Path
+    tensors: dict
+    class_names: dict
+    optimizer_state: dict | None = None
+    progress: dict | None = None
+    config: dict | None = None
+
+
+def read_weights(path) -> WeightsFile:
+    arrays, metadata = open_safetensors(path)
+    try:
+        names = {int(k): str(v) for k, v in json.loads(metadata.get(CLASS_NAMES_KEY, "{}")).items()}
+    except (ValueError, AttributeError):
+        raise ValueError(f"{path}: unreadable {CLASS_NAMES_KEY} metadata") from None
+    if "progress" not in metadata:  # converted weights: the model's tensors alone
+        return WeightsFile(Path(path), arrays, names)
+    tensors = {k[len("model.") :]: v for k, v in arrays.items() if k.startswith("model.")}
+    state = tree_unflatten([(k[len("optimizer.") :], v) for k, v in arrays.items() if k.startswith("optimizer.")])
+    config = json.loads(metadata["config"]) if "config" in metadata else None
+    return WeightsFile(Path(path), tensors, names, state, json.loads(metadata["progress"]), config)
 
 
 def class_names_metadata(names: dict) -> dict:
@@ -19,41 +101,45 @@ def class_names_metadata(names: dict) -> dict:
     return {CLASS_NAMES_KEY: json.dumps({str(k): v for k, v in sorted(names.items())})} if names else {}
 
 
-def open_safetensors(path, kind: str = "weights", readable_as: str = "safetensors file") -> tuple[dict, dict]:
-    """-> (arrays, metadata) of a safetensors file; a missing or unreadable one is an error naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{kind} not found: {path}")
-    try:
-        return mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(f"{path}: not a readable {readable_as} ({error})") from None
+def save_weights(path, tensors: dict, class_names: dict | None = None):
+    """Converted weights: the model's tensors by parameter name, with their category names."""
+    write_safetensors(path, tensors, class_names_metadata(class_names or {}))
 
 
-def read_weights(path) -> tuple[dict, dict]:
-    """-> (the model's tensors by parameter name, {category id: name} or {} when not recorded).
-    A training checkpoint's optimizer state is left out."""
-    weights, metadata = open_safetensors(path)
-    if any(k.startswith("model.") for k in weights):  # a training checkpoint
-        weights = {k[len("model.") :]: v for k, v in weights.items() if k.startswith("model.")}
-    try:
-        names = {int(k): str(v) for k, v in json.loads(metadata.get(CLASS_NAMES_KEY, "{}")).items()}
-    except (ValueError, AttributeError):
-        raise ValueError(f"{path}: unreadable {CLASS_NAMES_KEY} metadata") from None
-    return weights, names
+# ---------------------------------------------------------------------------------------------
+# training checkpoints: the model and optimizer, with the progress and config as metadata. No RNG
+# state: each step seeds MLX's generator from (seed, step), and the data order and augmentations
+# come from (seed, epoch, index), so a resumed run draws what the uninterrupted one would.
 
 
-def read_class_names(path) -> dict:
-    """{category id: name} recorded in a weights file, {} when none."""
-    return read_weights(path)[1]
+def save_checkpoint(path, model, optimizer, cfg: Config, progress: dict, class_names: dict):
+    """`progress` (JSON-able: epoch, step, global_step, ...) and `class_names` (the training set's
+    {id: name}, for prediction and fine-tuning) travel with the weights."""
+    arrays = {f"model.{k}": v for k, v in tree_flatten(model.parameters())}
+    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
+    metadata = {
+        "progress": json.dumps(progress),
+        "config": json.dumps(config_to_dict(cfg)),
+        **class_names_metadata(class_names),
+    }
+    write_safetensors(path, arrays, metadata)
 
 
-def num_classes_of(path) -> int:
-    """The number of class outputs of the weights in `path` (for `model.num_classes: auto`)."""
-    weights, _ = read_weights(path)
-    if "class_embed.0.bias" not in weights:
-        raise ValueError(f"{path}: no class_embed.0.bias, so model.num_classes cannot be read from it; set it")
-    return weights["class_embed.0.bias"].shape[0]
+def load_checkpoint(path, model, optimizer) -> dict:
+    """Restore the model and optimizer of a training checkpoint; return its progress."""
+    weights = read_weights(path)
+    if weights.progress is None:
+        raise ValueError(
+            f"{path}: not a training checkpoint (no progress metadata); to start from weights, use --weights"
+        )
+    check_keys(model, weights.tensors, path, strict=True)
+    model.load_weights(list(weights.tensors.items()))
+    optimizer.state = weights.optimizer_state
+    return weights.progress
+
+
+# ---------------------------------------------------------------------------------------------
+# weights into a model
 
 
 def check_keys(model, weights: dict, path, strict: bool, any_class_count: bool = False):
@@ -75,12 +161,30 @@ def check_keys(model, weights: dict, path, strict: bool, any_class_count: bool =
         raise ValueError(f"{path}: missing key {missing[0]}; is it the checkpoint of this config's model?")
 
 
+def load_trained_model(path, cfg: Config):
+    """The model of `cfg` with every weight of `path` (converted weights or a training checkpoint), in
+    evaluation mode; `model.num_classes: auto` takes the class count from the weights. -> (model,
+    the category names the file records)."""
+    from .model import build_model
+
+    weights = read_weights(path)
+    if cfg.model.num_classes == "auto":
+        if "class_embed.0.bias" not in weights.tensors:
+            raise ValueError(f"{path}: no class_embed.0.bias, so model.num_classes cannot be read from it; set it")
+        cfg.model.num_classes = weights.tensors["class_embed.0.bias"].shape[0]
+    model = build_model(cfg)
+    check_keys(model, weights.tensors, path, strict=True)
+    model.load_weights(list(weights.tensors.items()))
+    model.eval()
+    return model, weights.class_names
+
+
 def load_model_weights(model, path, strict: bool = True) -> int:
     """Load converted weights or the model part of a training checkpoint. Every tensor in the file
     must be a parameter of the model, of its shape; with `strict`, every parameter must be in the
     file too (without it, e.g. a backbone from `convert --backbone-only`, the rest keep their
     initialisation). Errors name the file and key. Returns the number of tensors loaded."""
-    weights, _ = read_weights(path)
+    weights = read_weights(path).tensors
     check_keys(model, weights, path, strict)
     model.load_weights(list(weights.items()), strict=strict)
     return len(weights)
@@ -93,7 +197,8 @@ def load_for_finetuning(model, path, class_names: dict) -> str:
     (weight and bias) of a category whose name equals, ignoring case, a category name recorded in
     the file is copied from that category's row; every other row keeps the model's own
     initialisation. Returns a one-line summary."""
-    weights, source_names = read_weights(path)
+    source = read_weights(path)
+    weights, source_names = dict(source.tensors), source.class_names
     check_keys(model, weights, path, strict=True, any_class_count=True)
     params = dict(tree_flatten(model.parameters()))
     num_classes = params["class_embed.0.bias"].shape[0]

@@ -11,7 +11,7 @@ from test_train import TINY
 import eval as eval_script
 import train
 from deformable_detr.data.shapes import generate
-from deformable_detr.evaluate import STAT_NAMES, coco_stats
+from deformable_detr.evaluation import STAT_NAMES, coco_stats
 from deformable_detr.predict import main as predict_main
 
 

@@ -11,9 +11,10 @@ from reference_weights import VARIANTS, state_dict
 
 from deformable_detr import build_model, load_config
 from deformable_detr.config import CONFIGS_DIR
-from deformable_detr.convert import ConversionError, convert, save_weights
-from deformable_detr.engine import build_optimizer, save_checkpoint
+from deformable_detr.convert import convert
+from deformable_detr.engine import build_optimizer
 from deformable_detr.export import export_torch, main
+from deformable_detr.weights import save_checkpoint, save_weights
 
 torch = pytest.importorskip("torch", reason="writing .pth files needs PyTorch (the dev extra)")
 
@@ -28,7 +29,7 @@ def test_convert_then_export_gives_back_every_key_and_value(variant, tmp_path):
     original = state_dict(variant)
     torch.save({"model": {k: torch.tensor(v) for k, v in original.items()}}, tmp_path / "authors.pth")
     weights, _, _ = convert(tmp_path / "authors.pth")
-    save_weights(weights, tmp_path / "port.safetensors")
+    save_weights(tmp_path / "port.safetensors", weights)
     assert len(weights) < len(original)  # the tied copies were dropped
 
     main(["--to", "torch", str(tmp_path / "port.safetensors"), str(tmp_path / "exported.pth")])
@@ -50,7 +51,8 @@ def test_a_training_checkpoint_exports_with_its_model_options(tmp_path):
     )
     mx.random.seed(0)
     model = build_model(cfg)
-    save_checkpoint(tmp_path / "checkpoint.safetensors", model, build_optimizer(cfg), cfg, 1, 2, 3, {1: "thing"})
+    progress = {"epoch": 1, "step": 2, "global_step": 3}
+    save_checkpoint(tmp_path / "checkpoint.safetensors", model, build_optimizer(cfg), cfg, progress, {1: "thing"})
     summary = export_torch(tmp_path / "checkpoint.safetensors", tmp_path / "exported.pth")
     assert summary.startswith("wrote ") and "in the authors' layout" in summary
 
@@ -69,7 +71,7 @@ def test_a_training_checkpoint_exports_with_its_model_options(tmp_path):
 
 def test_bad_inputs_are_named_and_nothing_is_written(tmp_path, capsys):
     (tmp_path / "broken.safetensors").write_bytes(b"not safetensors")
-    save_weights({"weight": np.zeros(3, np.float32)}, tmp_path / "other.safetensors")
+    save_weights(tmp_path / "other.safetensors", {"weight": np.zeros(3, np.float32)})
     cases = {
         "missing.safetensors": "no such file",
         "broken.safetensors": "not a readable safetensors file",
@@ -80,5 +82,5 @@ def test_bad_inputs_are_named_and_nothing_is_written(tmp_path, capsys):
             main(["--to", "torch", str(tmp_path / name), str(tmp_path / "out.pth")])
         assert str(exit_info.value).startswith(f"error: {tmp_path / name}: {message}")
         assert not (tmp_path / "out.pth").exists()
-    with pytest.raises(ConversionError, match="missing.safetensors: no such file"):
+    with pytest.raises(FileNotFoundError, match="missing.safetensors: no such file"):
         export_torch(tmp_path / "missing.safetensors", tmp_path / "out.pth")

@@ -16,9 +16,9 @@ from deformable_detr import build_model, load_config
 from deformable_detr.convert import main as convert_main
 from deformable_detr.data import COCO_CATEGORY_NAMES, build_dataset
 from deformable_detr.data.shapes import CATEGORIES, generate
-from deformable_detr.engine import build_optimizer, save_checkpoint
+from deformable_detr.engine import build_optimizer
 from deformable_detr.predict import main as predict_main
-from deformable_detr.weights import load_for_finetuning, read_weights
+from deformable_detr.weights import load_for_finetuning, read_weights, save_checkpoint
 
 SMALL = dict(height=(64, 64), width=(64, 64), max_size=40)
 TWO_STAGE = ["model.with_box_refine=true", "model.two_stage=true"]  # three class heads, one for proposals
@@ -41,7 +41,7 @@ def source(tmp_path_factory):
         head.bias = mx.random.normal(head.bias.shape)
     path = tmp_path_factory.mktemp("source") / "checkpoint.safetensors"
     names = {i + 1: name for i, name in enumerate(CATEGORIES)}
-    save_checkpoint(path, model, build_optimizer(cfg), cfg, 3, 0, 150, names)
+    save_checkpoint(path, model, build_optimizer(cfg), cfg, {"epoch": 3, "step": 0, "global_step": 150}, names)
     return path, params(model)
 
 
@@ -89,7 +89,8 @@ def test_finetune_trains_and_records_the_new_names(source, new_set, tmp_path, ca
     records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "global_step" in r and "loss" in r and "epoch_steps" not in r]
     assert len(losses) == 2 and all(np.isfinite(losses))
-    weights, names = read_weights(output / "checkpoint.safetensors")
+    saved = read_weights(output / "checkpoint.safetensors")
+    weights, names = saved.tensors, saved.class_names
     assert names == {1: "circle", 2: "square", 3: "hexagon", 4: "star"}
     assert weights["class_embed.0.weight"].shape == (5, 64)
     progress = json.loads(mx.load(str(output / "checkpoint.safetensors"), return_metadata=True)[1]["progress"])
@@ -155,7 +156,8 @@ def test_num_classes_auto_is_the_largest_id_plus_one(ids_to_90, tmp_path):
     argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={ids_to_90}"]
     train.main(argv + ["model.num_classes=auto", "train.max_steps=1", "train.eval_every=0"])
     assert load_config(output / "config.yaml").model.num_classes == 91
-    weights, names = read_weights(output / "checkpoint.safetensors")
+    saved = read_weights(output / "checkpoint.safetensors")
+    weights, names = saved.tensors, saved.class_names
     assert weights["class_embed.0.bias"].shape == (91,)
     assert names == {1: "square", 17: "circle", 44: "triangle", 80: "diamond", 90: "cross"}
 
@@ -186,7 +188,7 @@ def test_predict_names_classes_from_converted_coco_weights(tmp_path, capsys):
     save_file(authors_state(model), str(tmp_path / "authors.safetensors"))
     convert_main([str(tmp_path / "authors.safetensors"), str(tmp_path / "coco.safetensors")])
     assert "the 80 COCO categories" in capsys.readouterr().out
-    assert read_weights(tmp_path / "coco.safetensors")[1] == COCO_CATEGORY_NAMES
+    assert read_weights(tmp_path / "coco.safetensors").class_names == COCO_CATEGORY_NAMES
 
     image = generate(tmp_path / "images", 1, 1, seed=2, **SMALL) / "val2017" / "000000000001.png"
     settings = [f"data.coco_path={tmp_path / 'nowhere'}", "model.num_classes=auto", *overrides[1:]]

@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import math
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,30 @@ COCO_CATEGORY_NAMES = dict(
 )
 
 
+def check_annotations(data: dict, annotation_file):
+    """Before any step: every category id a non-negative integer (a negative one would index the
+    class outputs from the end and train silently; a string stops a step with a TypeError), every
+    bbox four finite numbers. The error names the file, the annotation (or category) and the value."""
+    for category in data.get("categories", []):
+        if not _is_index(category.get("id")):
+            raise ValueError(f"{annotation_file}: category {category!r}: id is not a non-negative integer")
+    for annotation in data.get("annotations", []):
+        where = f"{annotation_file}: annotation id {annotation.get('id')!r}"
+        if not _is_index(annotation.get("category_id")):
+            raise ValueError(f"{where}: category_id {annotation.get('category_id')!r} is not a non-negative integer")
+        box = annotation.get("bbox")
+        if not (isinstance(box, list) and len(box) == 4 and all(_is_number(v) and math.isfinite(v) for v in box)):
+            raise ValueError(f"{where}: bbox {box!r} is not four finite numbers (x, y, width, height)")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_index(value) -> bool:
+    return _is_number(value) and isinstance(value, int) and value >= 0
+
+
 class CocoDetection:
     """`root/{split}2017/` images and `root/annotations/instances_{split}2017.json`. Crowd boxes are
     dropped, boxes clipped to the image, degenerate boxes removed (as the authors)."""
@@ -45,6 +70,7 @@ class CocoDetection:
 
         with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
             self.coco = COCO(str(self.annotation_file))
+        check_annotations(self.coco.dataset, self.annotation_file)
         self.ids = sorted(self.coco.imgs)
         self.transforms = transforms
         self.skip_bad_images = skip_bad_images

@@ -2,6 +2,7 @@
 order, per-sample augmentation seeds, padding to the largest image, mlx-data worker threads with
 prefetch."""
 
+import threading
 import warnings
 
 import numpy as np
@@ -59,8 +60,12 @@ class DataLoader:
         if not batches:
             return
 
+        stopping = threading.Event()
+
         def load(element):
             """Runs in an mlx-data thread: nothing may escape it, errors travel back as text."""
+            if stopping.is_set():
+                return {**_pack([], []), "position": element["position"]}
             samples, skipped = [], []
             try:
                 for i in element["indices"].tolist():
@@ -80,15 +85,24 @@ class DataLoader:
             [{"indices": np.asarray(b, np.int64), "position": np.array(i)} for i, b in enumerate(batches)]
         )
         stream = buffer.to_stream().sample_transform(load).prefetch(self.prefetch, self.num_workers)
-        for element in _in_order(stream):
-            if len(element["error"]):
-                kind, _, message = bytes(element["error"]).decode().partition(": ")
-                raise (BadImageError if kind == "BadImageError" else RuntimeError)(message)
-            for message in filter(None, bytes(element["skipped"]).decode().split("\n")):
-                self.skipped += 1
-                warnings.warn(f"skipping {message}", stacklevel=2)
-            if len(element["counts"]):
-                yield _unpack(element)
+        try:
+            for element in _in_order(stream):
+                if len(element["error"]):
+                    kind, _, message = bytes(element["error"]).decode().partition(": ")
+                    raise (BadImageError if kind == "BadImageError" else RuntimeError)(message)
+                for message in filter(None, bytes(element["skipped"]).decode().split("\n")):
+                    self.skipped += 1
+                    warnings.warn(f"skipping {message}", stacklevel=2)
+                if len(element["counts"]):
+                    yield _unpack(element)
+        finally:
+            # Stopped early (an error, or the consumer closed us): let the worker threads run out the
+            # stream, each remaining batch a no-op, so none is left running when the process exits
+            # (mlx-data's threads still running at exit abort it: "terminate called without an
+            # active exception").
+            stopping.set()
+            for _ in stream:
+                pass
 
 
 def _in_order(stream):

@@ -1,4 +1,4 @@
-"""The C++ extension `kernels._native` (kernels/native/), built by the package's install: MLX
+"""The C++ extension `kernels._native`, built from the sources beside this file by the package's install: MLX
 operations (C++ `Primitive`s with their VJPs) that evaluate on MLX's CPU stream. Unlike a host call,
 they stay lazy: a function that uses them can be differentiated, checkpointed and `mx.compile`d
 without evaluating anything inside.

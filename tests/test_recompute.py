@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 from test_lazy_step import batch
 from test_train import TINY
 
-from deformable_detr import build_criterion, build_model, checkpointing, load_config
-from deformable_detr.engine import Trainer, build_optimizer
+from deformable_detr import build_model, load_config, recompute
+from deformable_detr.engine import Trainer
 
 
 def gradients(activation_checkpointing: bool, step_seed: int = 0):
@@ -23,14 +23,14 @@ def gradients(activation_checkpointing: bool, step_seed: int = 0):
             "model.two_stage=true",
             "model.with_box_refine=true",
             "optimizer.lr_backbone=1e-5",  # the backbone trains: its stages are checkpointed too
+            "optimizer.freeze_stem_and_layer1=false",
             f"train.activation_checkpointing={str(activation_checkpointing).lower()}",
         ],
     )
     mx.random.seed(0)
     model = build_model(cfg)
-    mx.eval(model.parameters())
     model.train()
-    trainer = Trainer(model, build_criterion(cfg), build_optimizer(cfg), cfg)
+    trainer = Trainer.from_config(model, cfg)
     images, mask, targets = batch()
     mx.random.seed(step_seed)
     (total, _), grads = trainer.loss_and_grad(images, mask, targets, 4.0)
@@ -62,7 +62,7 @@ def test_dropout_is_on_and_the_masks_matter(plain):
 
 
 def test_a_recomputation_with_fresh_masks_is_caught(monkeypatch):
-    """What the key in checkpointing.py prevents: if dropout drew from MLX's generator (as
+    """What the key in recompute.py prevents: if dropout drew from MLX's generator (as
     `nn.Dropout` under `nn.utils.checkpoint` does), the forward would be the same but the
     recomputation would draw other masks, and the gradients would be another network's."""
 
@@ -71,8 +71,8 @@ def test_a_recomputation_with_fresh_masks_is_caught(monkeypatch):
         with original(None):
             yield
 
-    original = checkpointing._drawing_from
-    monkeypatch.setattr(checkpointing, "_drawing_from", global_generator)
+    original = recompute._drawing_from
+    monkeypatch.setattr(recompute, "_drawing_from", global_generator)
     total, grads = gradients(True)
     want_total, want_grads = gradients(False)
     assert total == pytest.approx(want_total, rel=1e-6)  # the same forward
@@ -81,11 +81,11 @@ def test_a_recomputation_with_fresh_masks_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_drops_a_fraction_p_and_keeps_the_mean(p):
-    dropout = checkpointing.Dropout(p)
+    dropout = recompute.Dropout(p)
     x = mx.ones((1000, 1000))
-    with checkpointing._drawing_from(mx.random.key(3)):
+    with recompute._drawing_from(mx.random.key(3)):
         y = np.array(dropout(x))
-    with checkpointing._drawing_from(mx.random.key(3)):
+    with recompute._drawing_from(mx.random.key(3)):
         again = np.array(dropout(x))
     assert (y == 0).mean() == pytest.approx(p, abs=0.003)
     assert y.mean() == pytest.approx(1.0, abs=0.005)

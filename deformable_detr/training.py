@@ -1,0 +1,228 @@
+"""The training loop: `fit` runs the epochs from a `Progress` to the end of the schedule (or
+`train.max_steps`), evaluating and checkpointing as the config says, and ends cleanly whatever
+stops it:
+
+- Ctrl-C or SIGTERM (kill, job schedulers, preemptible machines): at the end of the step under way,
+  a checkpoint with the progress, one line, exit status 128 + the signal's number (130, 143). A
+  second signal stops inside the step, without writing a checkpoint.
+- an image that cannot be read (`data.skip_bad_images=false`): a checkpoint with the progress (that
+  batch not taken), one line naming the image and the way on.
+- a non-finite loss, running out of memory, or anything else: one line (anything else: its
+  traceback in log.jsonl); no checkpoint is written, so the last one stays as it was.
+In every case the data loader's threads are stopped first, so the process exits normally."""
+
+import contextlib
+import dataclasses
+import math
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from .cli import CommandError
+from .data import BadImageError
+from .engine import Trainer, seed_step, set_epoch_learning_rates
+from .evaluation import evaluate
+from .memory import is_out_of_memory, out_of_memory_message
+from .run_directory import RunDirectory
+
+
+@dataclass
+class Progress:
+    """Where a run is; saved in every checkpoint, so that a resumed run continues exactly."""
+
+    epoch: int = 0
+    step: int = 0  # steps taken in this epoch
+    global_step: int = 0
+    loss_sums: dict = field(default_factory=dict)  # over this epoch's steps, for its mean
+    seconds: float = 0.0  # this epoch's, in steps
+
+    @classmethod
+    def from_checkpoint(cls, progress: dict) -> "Progress":
+        return cls(**{f.name: progress[f.name] for f in dataclasses.fields(cls) if f.name in progress})
+
+    def add_step(self, losses: dict, seconds: float):
+        self.step, self.global_step, self.seconds = self.step + 1, self.global_step + 1, self.seconds + seconds
+        for key, value in losses.items():
+            self.loss_sums[key] = self.loss_sums.get(key, 0.0) + value
+
+    def next_epoch(self):
+        self.epoch, self.step, self.loss_sums, self.seconds = self.epoch + 1, 0, {}, 0.0
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int, inside_step: bool):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.inside_step = signum, inside_step
+
+
+class StopSignals:
+    """SIGINT and SIGTERM, while the run is on: outside `deferred()` they raise Interrupted at once;
+    inside, at its end (a second one at once, marked inside_step)."""
+
+    def __init__(self):
+        self.received, self.deferring, self._previous = None, False, {}
+
+    def __enter__(self):
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exception):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        if not self.deferring or self.received is not None:
+            raise Interrupted(signum, inside_step=self.deferring)
+        self.received = signum
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        if self.received is not None:
+            raise Interrupted(self.received, inside_step=False)
+
+
+def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=None) -> dict | None:
+    """Train from `progress` to the end of the schedule; evaluate on `val` (the main process's val
+    split, or None) every `train.eval_every` epochs and at the end. -> the last evaluation's stats."""
+    cfg = trainer.cfg
+    if loader.batches_per_epoch() == 0:
+        raise ValueError(
+            f"the train split has {len(loader.dataset)} images: fewer than schedule.batch_size "
+            f"({cfg.schedule.batch_size}) x {loader.world_size} process(es)"
+        )
+    stats = None
+    with StopSignals() as signals, stopping_cleanly(trainer, run, progress):
+        while progress.epoch < cfg.schedule.epochs and progress.global_step < (cfg.train.max_steps or math.inf):
+            train_one_epoch(trainer, loader, run, progress, signals)
+            if progress.step == loader.batches_per_epoch():
+                stats = end_epoch(trainer, run, progress, val) or stats
+            run.save(trainer, progress)
+        if val is not None:
+            stats = stats or evaluate(trainer.model, val, cfg.schedule.batch_size, cfg.data.num_workers)[0]
+            run.write_results(stats)
+            run.write_pictures(trainer.model, val)
+    return stats
+
+
+def train_one_epoch(trainer: Trainer, loader, run: RunDirectory, progress: Progress, signals: StopSignals):
+    """The epoch's steps from `progress.step` on, until its end or `train.max_steps`."""
+    cfg = trainer.cfg
+    set_epoch_learning_rates(trainer.optimizer, cfg, progress.epoch)
+    bar = tqdm(
+        total=loader.batches_per_epoch(), initial=progress.step, desc=f"epoch {progress.epoch}", disable=not run.is_main
+    )
+    with bar, contextlib.closing(loader.epoch(progress.epoch, progress.step)) as batches:
+        for images, mask, targets in batches:
+            with signals.deferred():
+                record = train_step(trainer, images, mask, targets, run, progress)
+                if progress.global_step % cfg.train.log_every == 0:
+                    run.log(record)
+            bar.set_postfix(
+                loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2g}", img_s=f"{record['images_per_s']:.1f}"
+            )
+            bar.update()
+            if cfg.train.checkpoint_every and progress.global_step % cfg.train.checkpoint_every == 0:
+                run.save(trainer, progress)
+            if progress.global_step >= (cfg.train.max_steps or math.inf):
+                break
+
+
+def train_step(trainer: Trainer, images, mask, targets, run: RunDirectory, progress: Progress) -> dict:
+    """One step, counted in `progress`; -> its log record."""
+    seed_step(trainer.cfg.seed, progress.global_step)
+    started = time.perf_counter()
+    try:
+        losses, grad_norm = trainer.step(images, mask, targets)
+    except RuntimeError as error:  # Metal's allocation failure (the memory check rules the CPU's out)
+        if not is_out_of_memory(error):
+            raise
+        message = out_of_memory_message(error, images.shape, trainer.cfg.train.activation_checkpointing)
+        raise CommandError(f"{message}; the last checkpoint, intact: {run.checkpoint}") from None
+    if trainer.steps == 1:  # the trainer's first: it measured (and checked) every sampling_offsets layer
+        norms = trainer.sampling_offsets_grad_norms
+        run.log({"sampling_offsets_grad_norms": norms})
+        listed = ", ".join(f"{k.replace('transformer.', '')} {v:.3g}" for k, v in norms.items())
+        run.print(f"sampling_offsets gradient norms, first step: {listed}")
+    if not math.isfinite(losses["loss"]):
+        bad = ", ".join(k for k, v in losses.items() if not math.isfinite(v))
+        raise CommandError(
+            f"the loss is {losses['loss']} at epoch {progress.epoch}, step {progress.step} (not finite: {bad}); "
+            f"stopped without saving: the last checkpoint, intact, is {run.checkpoint}"
+        )
+    seconds = time.perf_counter() - started
+    progress.add_step(losses, seconds)
+    return {
+        "epoch": progress.epoch,
+        "step": progress.step,
+        "global_step": progress.global_step,
+        "lr": trainer.optimizer.optimizers[-1].learning_rate.item(),
+        "grad_norm": grad_norm,
+        "images_per_s": len(targets) * trainer.world_size / seconds,
+        **losses,
+    }
+
+
+def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val) -> dict | None:
+    """After the epoch's last step: its evaluation (when due), then its records; the next epoch."""
+    cfg, stats = trainer.cfg, None
+    if val is not None and (progress.epoch + 1) % cfg.train.eval_every == 0:
+        stats, _ = evaluate(trainer.model, val, cfg.schedule.batch_size, cfg.data.num_workers)
+        run.print(f"epoch {progress.epoch}: AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}")
+    means = {k: v / max(progress.step, 1) for k, v in progress.loss_sums.items()}
+    run.log(
+        {
+            "epoch": progress.epoch,
+            "epoch_steps": progress.step,
+            "global_step": progress.global_step,
+            "seconds": progress.seconds,
+            **means,
+        }
+    )
+    if stats is not None:
+        run.log({"epoch": progress.epoch, "eval": stats})
+    progress.next_epoch()
+    return stats
+
+
+@contextlib.contextmanager
+def stopping_cleanly(trainer: Trainer, run: RunDirectory, progress: Progress):
+    """Whatever ends the loop early becomes a CommandError (one line, an exit status), with a
+    checkpoint where the model is as a step left it."""
+    try:
+        yield
+    except Interrupted as interrupted:
+        if interrupted.inside_step:
+            raise CommandError(
+                f"interrupted ({interrupted}) twice: stopped inside a step, without saving; "
+                f"the last checkpoint, intact: {run.checkpoint}",
+                128 + interrupted.signum,
+            ) from None
+        run.save(trainer, progress)
+        raise CommandError(
+            f"interrupted ({interrupted}) at epoch {progress.epoch}, step {progress.step}; "
+            f"checkpoint: {run.checkpoint} (continue with --resume {run.checkpoint})",
+            128 + interrupted.signum,
+        ) from None
+    except BadImageError as error:
+        run.save(trainer, progress)
+        raise CommandError(
+            f"{error}; to skip unreadable images, set data.skip_bad_images=true and continue with "
+            f"--resume {run.checkpoint} (saved at epoch {progress.epoch}, step {progress.step})"
+        ) from None
+    except CommandError:
+        raise
+    except Exception as error:  # noqa: BLE001  (a bug or a failure of the machine: said in one line)
+        run.log({"global_step": progress.global_step, "error": repr(error), "traceback": traceback.format_exc()})
+        raise CommandError(
+            f"{type(error).__name__}: {error} at epoch {progress.epoch}, step {progress.step} "
+            f"(the traceback is in {run.log_path}); the last checkpoint, intact: {run.checkpoint}"
+        ) from error
