@@ -8,20 +8,19 @@ Prints pycocotools' 12-line summary; writes eval_results.json (AP, AP50, ..., AR
 detections_val.json (COCO results format) to --output-dir (default: beside the checkpoint).
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from deformable_detr import load_config
-from deformable_detr.cli import entry_point
+from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import build_dataset
 from deformable_detr.evaluation import evaluate
 from deformable_detr.weights import load_trained_model
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--coco-path", help="overrides data.coco_path")

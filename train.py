@@ -11,14 +11,13 @@ Several machines: `mlx.launch --hosts host1,host2 python train.py --config ...` 
 gradients averaged with all_sum, each process its own share of every epoch, rank 0 writes).
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import mlx.core as mx
 
 from deformable_detr import build_model, load_config
-from deformable_detr.cli import entry_point
+from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import DataLoader, build_dataset, num_classes_for
 from deformable_detr.engine import Trainer
 from deformable_detr.evaluation import evaluate
@@ -29,7 +28,7 @@ from deformable_detr.weights import load_checkpoint, load_for_finetuning, load_m
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a YAML file of configs/")
     parser.add_argument("--output-dir", type=Path, help="default: output/<config name>")
     parser.add_argument("--resume", type=Path, help="a checkpoint.safetensors written by this script")

@@ -12,7 +12,6 @@ CUDA with `--torch-device cuda`; there, also the authors' compiled CUDA op when 
 is faster.
 """
 
-import argparse
 import platform
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
+from deformable_detr.cli import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -103,13 +103,14 @@ def time_authors_cuda_op(shapes, arrays, repeats):
     return median_time(forward, repeats), median_time(forward_backward, repeats)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@entry_point(runtime=False)
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--torch-device", choices=["cpu", "cuda"], default="cpu", help="where the torch core runs")
     parser.add_argument("--output", type=Path, help="also write the table to this file, and a chart beside it (.png)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     shapes = ENCODER["shapes"]
     arrays = inputs(**ENCODER)

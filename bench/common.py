@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: the timing rule and the charts (pillow only)."""
+"""What the benchmark scripts share: the timing rule, image sizes as arguments, the charts (pillow only)."""
 
+import argparse
 import statistics
 import time
 
@@ -17,6 +18,17 @@ def median_time(run, repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def image_sizes(text: str) -> list[tuple[int, int]]:
+    """An argument of sizes, `HxW[,HxW...]` -> [(H, W), ...]."""
+    try:
+        sizes = [tuple(int(side) for side in size.split("x")) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(len(size) != 2 or min(size) <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected sizes HxW such as 512x683, comma-separated")
+    return sizes
 
 
 def bars(title: str, groups: list[tuple[str, list[tuple[str, float]]]], path, unit: str = "s"):

@@ -15,6 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from deformable_detr.cli import ArgumentParser, entry_point
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import image_sizes  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = {
     "forward only (no gradient)": None,
@@ -64,13 +69,14 @@ def measure(parts, size):
     return {"peak_mib": (mx.get_peak_memory() - base) / 2**20, "seconds": time.perf_counter() - start}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="512x683")
+@entry_point(runtime=False)
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=image_sizes, default="512x683", help="HxW")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "memory_cpu.txt")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    size = tuple(int(s) for s in args.size.split("x"))
+    args = parser.parse_args(argv)
+    size = args.size[0]
     if args.measure is not None:
         print(json.dumps(measure(json.loads(args.measure), size)))
         return
@@ -85,7 +91,7 @@ def main():
         "| --- | ---: | ---: |",
     ]
     for name, parts in PARTS.items():
-        command = [sys.executable, __file__, "--size", args.size, "--measure", json.dumps(parts)]
+        command = [sys.executable, __file__, "--size", f"{size[0]}x{size[1]}", "--measure", json.dumps(parts)]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode:
             sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")

@@ -29,7 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from common import bars, median_time  # noqa: E402
+from common import bars, image_sizes, median_time  # noqa: E402
+
+from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 
 SIZE = (800, 1066)
 
@@ -136,17 +138,20 @@ def run_side(side, task, repeats, size, threads, checkpointing=False):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@entry_point(runtime=False)
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=["inference", "train", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--train-size", default="800x1066,512x683", help="HxW of the training images, comma-separated")
+    parser.add_argument(
+        "--train-size", type=image_sizes, default="800x1066,512x683", help="HxW of the training images, comma-separated"
+    )
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--measure", choices=["ours", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    train_sizes = [tuple(int(s) for s in size.split("x")) for size in args.train_size.split(",")]
+    args = parser.parse_args(argv)
+    train_sizes = args.train_size
     if args.measure:
         size = SIZE if args.task == "inference" else train_sizes[0]
         if args.measure == "ours":

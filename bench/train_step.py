@@ -16,6 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from deformable_detr.cli import ArgumentParser, entry_point
+from deformable_detr.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,14 +49,16 @@ def measure(config: str, steps: int, size: int) -> dict:
     return {"median_s": statistics.median(times), "batch": batch}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@entry_point(runtime=False)
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/shapes.yaml")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--output", type=Path)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    load_config(args.config)  # a bad config: one line here, not a traceback from a measured process
     if args.measure:
         print(json.dumps(measure(args.config, args.steps, args.size)))
         return

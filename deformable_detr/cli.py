@@ -1,14 +1,20 @@
-"""What every command shares: the run-time set-up, and errors as one line.
+"""What every command shares: the run-time set-up, and bad input or a failure as one line.
 
     @entry_point
-    def main(argv=None): ...
+    def main(argv=None):
+        args = ArgumentParser(...).parse_args(argv)
 
 Run as a program (`python train.py`, `python -m deformable_detr.predict`), the command first sets up
-the process (`runtime.setup`: MKL, malloc); imported (the tests call `main(argv)`), it does not.
-Whatever stops it becomes one line on stderr, `error: ...`, and an exit status: `CommandError`s
-carry theirs; a missing file or a bad value (FileNotFoundError, ValueError) is 1; anything else is
-1 too, its type named, with the traceback shown only when DEFORMABLE_DETR_TRACEBACK=1."""
+the process (`runtime.setup`: MKL, malloc; `@entry_point(runtime=False)` for the benchmarks, which
+set up the processes they measure themselves); imported (the tests call `main(argv)`), it does not.
+Whatever stops it becomes one line on stderr, `error: ...`, and an exit status:
 
+- 2, a usage error (`UsageError`): an argument, a config file, key or value is wrong;
+- 1, a failure of the work: a missing or unreadable file (weights, image, data), bad data, or
+  anything else, whose type is then named. DEFORMABLE_DETR_TRACEBACK=1 adds the traceback;
+- a `CommandError` carries its own status (a training run stopped by a signal: 128 + its number)."""
+
+import argparse
 import functools
 import os
 import sys
@@ -25,13 +31,32 @@ class CommandError(Exception):
         self.status = status
 
 
-def entry_point(main):
+class UsageError(CommandError, ValueError):
+    """What the user typed is wrong: an argument, a config file, key or value (exit status 2, as
+    argparse's)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, whose errors are UsageErrors: one line, exit status 2."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def entry_point(main=None, *, runtime: bool = True):
+    """`@entry_point` or `@entry_point(runtime=False)` on a command's `main(argv=None)`."""
+    if main is None:
+        return functools.partial(entry_point, runtime=runtime)
+
     @functools.wraps(main)
     def command(argv=None):
-        if main.__module__ == "__main__":
-            from . import runtime
+        if runtime and main.__module__ == "__main__":
+            from . import runtime as process
 
-            runtime.setup()
+            process.setup()
         try:
             return main(argv)
         except (SystemExit, KeyboardInterrupt):
@@ -51,8 +76,9 @@ def entry_point(main):
 def one_line(error: Exception) -> tuple[str, int]:
     """-> (the message, the exit status) of what stopped a command."""
     if isinstance(error, CommandError):
-        return str(error), error.status
-    if isinstance(error, (FileNotFoundError, ValueError)) and str(error):
-        return str(error), 1
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return f"{text} (set {TRACEBACK_VARIABLE}=1 for the traceback)", 1
+        message, status = str(error), error.status
+    elif isinstance(error, (FileNotFoundError, ValueError)) and str(error):
+        message, status = str(error), 1
+    else:
+        message, status = f"{type(error).__name__}: {error} (set {TRACEBACK_VARIABLE}=1 for the traceback)", 1
+    return " ".join(message.split()), status

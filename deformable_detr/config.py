@@ -1,11 +1,15 @@
 """Configuration: dataclass defaults (the authors' `main.py` defaults), overridden by a YAML file,
-overridden by `section.key=value` strings. Unknown keys are errors that name them."""
+overridden by `section.key=value` strings. An unknown key is an error that names it and the nearest
+known key."""
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from .cli import UsageError
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -104,46 +108,67 @@ class Config:
 
 
 def load_config(path=None, overrides=()) -> Config:
-    """Defaults, then the YAML file at `path` (if any), then `section.key=value` overrides."""
+    """Defaults, then the YAML file at `path` (if any), then `section.key=value` overrides. Anything
+    wrong in them is a UsageError naming the file (and line) or override, the key and the value."""
     cfg = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
-        _merge(cfg, data, str(path), "")
+        _merge(cfg, _read_yaml(Path(path)), str(path), "")
     for override in overrides:
         key, sep, value = override.partition("=")
-        if not sep:
-            raise ValueError(f"override {override!r}: expected section.key=value")
-        nested = yaml.safe_load(value)
+        if not sep or not key:
+            raise UsageError(f"override {override!r}: expected section.key=value")
+        try:
+            nested = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise UsageError(f"override {override!r}: {value!r} is not a YAML value ({_problem(error)})") from None
         for part in reversed(key.split(".")):
             nested = {part: nested}
         _merge(cfg, nested, "override", "")
     return cfg
 
 
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise UsageError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UsageError(f"{path}{where}: not valid YAML ({_problem(error)})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _problem(error: yaml.YAMLError) -> str:
+    return getattr(error, "problem", None) or str(error).splitlines()[0]
+
+
 def _merge(target, data: dict, source: str, prefix: str):
     names = {f.name: f for f in dataclasses.fields(target)}
     unknown = sorted(set(data) - set(names))
     if unknown:
-        raise ValueError(
-            f"{source}: unknown key(s) {', '.join(prefix + k for k in unknown)}; "
-            f"expected {', '.join(prefix + k for k in names)}"
-        )
+        more = f" (also unknown: {', '.join(prefix + k for k in unknown[1:])})" if unknown[1:] else ""
+        raise UsageError(f"{source}: {unknown_key(unknown[0], names, prefix)}{more}")
     for key, value in data.items():
         current = getattr(target, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ValueError(f"{source}: {prefix}{key} must be a mapping")
+                raise UsageError(f"{source}: {prefix}{key} must be a mapping of its keys, got {value!r}")
             _merge(current, value, source, f"{prefix}{key}.")
         else:
             default = names[key].default
             expected = current if default is dataclasses.MISSING else default  # a current `auto` is no type
             setattr(target, key, _coerce(value, expected, f"{source}: {prefix}{key}", names[key].metadata.get("auto")))
+
+
+def unknown_key(key: str, names, prefix: str) -> str:
+    """`section.key: unknown key; did you mean section.other?`, or the section's keys when none is near."""
+    near = difflib.get_close_matches(str(key), list(names), n=1)
+    if near:
+        return f"{prefix}{key}: unknown key; did you mean {prefix}{near[0]}?"
+    return f"{prefix}{key}: unknown key; expected one of {', '.join(prefix + k for k in names)}"
 
 
 def _coerce(value, current, where, auto=False):
@@ -154,7 +179,7 @@ def _coerce(value, current, where, auto=False):
     kind = type(current).__name__ + (" or auto" if auto else "")
     if isinstance(current, bool) or isinstance(value, bool):
         if not (isinstance(current, bool) and isinstance(value, bool)):
-            raise ValueError(f"{where} must be {kind}, got {value!r}")
+            raise UsageError(f"{where} must be {kind}, got {value!r}")
         return value
     if isinstance(current, float) and isinstance(value, int):
         return float(value)
@@ -164,7 +189,7 @@ def _coerce(value, current, where, auto=False):
         except ValueError:
             pass
     if not isinstance(value, type(current)):
-        raise ValueError(f"{where} must be {kind}, got {value!r}")
+        raise UsageError(f"{where} must be {kind}, got {value!r}")
     return value
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .cli import entry_point
+from .cli import ArgumentParser, entry_point
 from .weights import open_safetensors, save_weights
 
 
@@ -325,7 +325,7 @@ def _rename(key: str, rules) -> str:
 
 @entry_point
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m deformable_detr.convert", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m deformable_detr.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "src",
         type=Path,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli import entry_point
+from .cli import ArgumentParser, entry_point
 from .convert import ConversionError, sanitize
 from .weights import atomic_write, read_weights
 
@@ -102,7 +102,7 @@ def export_torch(src: Path, dst: Path, config_path: Path | None = None) -> str:
 
 @entry_point
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m deformable_detr.export", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m deformable_detr.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--to", choices=["torch"], required=True, help="the target layout")
     parser.add_argument("src", type=Path, help="converted weights or a training checkpoint (.safetensors)")
     parser.add_argument("dst", type=Path, help="the .pth file to write")

@@ -6,7 +6,6 @@
 For each IMAGE writes D/<name>.png (boxes, class names, scores) and D/<name>.json (every top-100
 detection: label, name, score, box x0, y0, x1, y1 in pixels)."""
 
-import argparse
 import json
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from .cli import entry_point
+from .cli import ArgumentParser, entry_point
 from .config import load_config
 from .data import build_dataset
 from .data.transforms import normalize, resize
@@ -56,7 +55,7 @@ def open_image(path: Path) -> Image.Image:
 
 @entry_point
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m deformable_detr.predict", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m deformable_detr.predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--threshold", type=float, default=0.5, help="draw detections scoring at least this")

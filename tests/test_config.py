@@ -1,9 +1,11 @@
 import dataclasses
+import re
 
 import mlx.core as mx
 import pytest
 
 from deformable_detr import build_model, load_config
+from deformable_detr.cli import UsageError
 from deformable_detr.config import CONFIGS_DIR, Config
 
 AUTHORS = {  # file -> the flags of the authors' script on top of their main.py defaults
@@ -36,24 +38,45 @@ def test_every_key_is_listed_in_r50_yaml():
             assert section in listed
 
 
-def test_unknown_keys_are_named(tmp_path):
+def test_unknown_keys_are_named_with_the_nearest_key(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  backbone: resnet50\n  num_layers: 3\ntrainer: {}\n")
-    with pytest.raises(ValueError, match=r"unknown key\(s\) trainer"):
+    with pytest.raises(UsageError, match=r"bad.yaml: trainer: unknown key; did you mean train\?$"):
         load_config(path)
     path.write_text("model:\n  num_layers: 3\n")
-    with pytest.raises(ValueError, match=r"bad.yaml: unknown key\(s\) model.num_layers"):
+    with pytest.raises(UsageError, match=r"bad.yaml: model.num_layers: unknown key; did you mean model.enc_layers\?"):
         load_config(path)
-    with pytest.raises(ValueError, match=r"override: unknown key\(s\) optimizer.learning_rate"):
+    with pytest.raises(
+        UsageError, match=r"^override: optimizer.learning_rate: unknown key; expected one of optimizer.lr,"
+    ):
         load_config(None, ["optimizer.learning_rate=1e-3"])
+    nothing_near = (
+        "override: schedule.foo: unknown key; expected one of schedule.epochs, schedule.lr_drop, schedule.batch_size"
+    )
+    with pytest.raises(UsageError, match=f"^{re.escape(nothing_near)}$"):
+        load_config(None, ["schedule.foo=1"])
+    also = r"schedule.bach_size: unknown key; did you mean schedule.batch_size\? \(also unknown: schedule.epoch\)$"
+    with pytest.raises(UsageError, match=also):
+        load_config(None, ["schedule={bach_size: 2, epoch: 1}"])
+
+
+def test_yaml_that_does_not_parse_names_the_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  backbone: resnet18\n hidden_dim: 64\n")
+    with pytest.raises(
+        UsageError, match=rf"^{re.escape(str(path))}, line 3, column 2: not valid YAML \(expected <block end>"
+    ):
+        load_config(path)
+    with pytest.raises(UsageError, match=r"override 'schedule.batch_size=\[2': '\[2' is not a YAML value"):
+        load_config(None, ["schedule.batch_size=[2"])
 
 
 def test_overrides_and_types(tmp_path):
     cfg = load_config(CONFIGS_DIR / "r50.yaml", ["schedule.batch_size=4", "optimizer.lr=1e-3", "model.two_stage=true"])
     assert (cfg.schedule.batch_size, cfg.optimizer.lr, cfg.model.two_stage) == (4, 1e-3, True)
-    with pytest.raises(ValueError, match=r"model.num_queries must be int, got 'many'"):
+    with pytest.raises(UsageError, match=r"^override: model.num_queries must be int, got 'many'$"):
         load_config(None, ["model.num_queries=many"])
-    with pytest.raises(FileNotFoundError, match="config file not found: nowhere.yaml"):
+    with pytest.raises(UsageError, match="config file not found: nowhere.yaml"):
         load_config("nowhere.yaml")
 
 

@@ -19,6 +19,7 @@ only for this:
 
 from pathlib import Path
 
+from ..cli import UsageError
 from .coco import COCO_CATEGORY_NAMES, CocoDetection
 from .loader import BadImageError, DataLoader, collate
 from .transforms import make_transforms
@@ -55,7 +56,7 @@ def shapes(split: str, data_cfg, prepare: bool = True):
 def build_dataset(split: str, data_cfg, prepare: bool = True):
     """The `split` of the dataset a config's data section names."""
     if data_cfg.dataset not in DATASETS:
-        raise ValueError(f"data.dataset {data_cfg.dataset!r}: expected one of {', '.join(sorted(DATASETS))}")
+        raise UsageError(f"data.dataset {data_cfg.dataset!r}: expected one of {', '.join(sorted(DATASETS))}")
     return DATASETS[data_cfg.dataset](split, data_cfg, prepare)
 
 

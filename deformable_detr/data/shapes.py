@@ -9,12 +9,13 @@ Deterministic from its seed. `python -m deformable_detr.data.shapes ROOT [--clas
 hexagon star] [--seed N]` writes ROOT/{train2017,val2017}/*.png and
 ROOT/annotations/instances_{train,val}2017.json."""
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from ..cli import ArgumentParser, entry_point
 
 # Each shape has its own colour family (jittered), on backgrounds of muted colours.
 SHAPES = {
@@ -135,8 +136,9 @@ def generate(root, num_train=400, num_val=100, seed=0, categories=CATEGORIES, **
     return root
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@entry_point
+def main(argv=None):
+    parser = ArgumentParser(prog="python -m deformable_detr.data.shapes", description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path)
     parser.add_argument("--train", type=int, default=400)
     parser.add_argument("--val", type=int, default=100)
@@ -149,7 +151,7 @@ def main():
         metavar="SHAPE",
         help=f"category ids 1, 2, ... in this order; of {', '.join(SHAPES)}",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     generate(args.root, args.train, args.val, args.seed, args.classes)
     print(f"wrote {args.train} train and {args.val} val images of {', '.join(args.classes)} under {args.root}")
 
