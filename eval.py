@@ -49,7 +49,8 @@ def main(argv=None) -> dict:
     dataset = build_dataset("val", cfg.data)
     for message in name_mismatches(recorded_names, dataset):
         print(f"warning: {message}", file=sys.stderr)
-    stats, detections = evaluate(model, dataset, args.batch_size or cfg.schedule.batch_size, cfg.data.num_workers, True)
+    batch_size = args.batch_size or cfg.schedule.batch_size
+    stats, detections = evaluate(model, dataset, batch_size, cfg.data.num_workers, verbose=True)
     output_dir = args.output_dir or args.checkpoint.parent
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "detections_val.json").write_text(json.dumps(detections))

@@ -81,4 +81,4 @@ def one_line(error: Exception) -> tuple[str, int]:
         message, status = str(error), 1
     else:
         message, status = f"{type(error).__name__}: {error} (set {TRACEBACK_VARIABLE}=1 for the traceback)", 1
-    return " ".join(message.split()), status
+    return " ".join(message.splitlines()), status

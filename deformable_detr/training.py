@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ class StopSignals:
         self.received, self.deferring, self._previous = None, False, {}
 
     def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self  # handlers can be set from the main thread only; elsewhere Python's own stay
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
