@@ -15,7 +15,7 @@ from pathlib import Path
 from deformable_detr import load_config
 from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import build_dataset
-from deformable_detr.evaluation import evaluate
+from deformable_detr.evaluation import evaluate, evaluation_batch_size
 from deformable_detr.weights import load_trained_model
 
 
@@ -24,7 +24,7 @@ def parse_args(argv=None):
     parser.add_argument("--config", required=True)
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--coco-path", help="overrides data.coco_path")
-    parser.add_argument("--batch-size", type=int, help="default: the config's schedule.batch_size")
+    parser.add_argument("--batch-size", type=int, help="default: schedule.micro_batch_size (2 where it is auto)")
     parser.add_argument("--output-dir", type=Path)
     parser.add_argument("overrides", nargs="*", help="section.key=value, as for train.py")
     return parser.parse_args(argv)
@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     dataset = build_dataset("val", cfg.data)
     for message in name_mismatches(recorded_names, dataset):
         print(f"warning: {message}", file=sys.stderr)
-    batch_size = args.batch_size or cfg.schedule.batch_size
+    batch_size = args.batch_size or evaluation_batch_size(cfg)
     stats, detections = evaluate(model, dataset, batch_size, cfg.data.num_workers, verbose=True)
     output_dir = args.output_dir or args.checkpoint.parent
     output_dir.mkdir(parents=True, exist_ok=True)

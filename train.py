@@ -19,8 +19,8 @@ import mlx.core as mx
 from deformable_detr import build_model, load_config
 from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import DataLoader, build_dataset, num_classes_for
-from deformable_detr.engine import Trainer
-from deformable_detr.evaluation import evaluate
+from deformable_detr.engine import Trainer, process_share
+from deformable_detr.evaluation import evaluate, evaluation_batch_size
 from deformable_detr.memory import GIB, budget_bytes, check_memory
 from deformable_detr.run_directory import RunDirectory
 from deformable_detr.training import Progress, fit
@@ -45,6 +45,7 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     group = mx.distributed.init()
+    share = process_share(cfg, group.size())  # images per process and step
     train_set = build_dataset("train", cfg.data)
     cfg.model.num_classes = num_classes_for(train_set, cfg.model.num_classes)
     output_dir = args.output_dir or Path("output") / Path(args.config).stem
@@ -66,11 +67,18 @@ def main(argv=None):
     val = build_dataset("val", cfg.data) if run.is_main and (cfg.train.eval_every or args.eval_only) else None
     if args.eval_only:
         if val is not None:
-            stats, _ = evaluate(model, val, cfg.schedule.batch_size, cfg.data.num_workers)
+            stats, _ = evaluate(model, val, evaluation_batch_size(cfg), cfg.data.num_workers)
             run.write_results(stats)
             run.print(json.dumps(stats, indent=2))
         return
 
+    model.train()
+    micro, estimate = check_memory(trainer, train_set, cfg, share, log=run.print)
+    run.print(
+        f"memory: a step of the largest micro-batch needs about {estimate.describe()}; budget "
+        f"{budget_bytes(cfg.train) / GIB:.1f} GiB; {cfg.schedule.batch_size} images a step: "
+        f"{group.size()} process(es) x {share // micro} micro-batch(es) of {micro}"
+    )
     loader = DataLoader(
         train_set,
         cfg.schedule.batch_size,
@@ -79,12 +87,7 @@ def main(argv=None):
         prefetch=cfg.data.prefetch,
         rank=group.rank(),
         world_size=group.size(),
-    )
-    model.train()
-    estimate = check_memory(trainer, train_set, cfg, log=run.print)
-    run.print(
-        f"memory: a step of the largest batch needs about {estimate.describe()}; "
-        f"budget {budget_bytes(cfg.train) / GIB:.1f} GiB"
+        micro_batch_size=micro,
     )
     with run:
         stats = fit(trainer, loader, run, progress, val)

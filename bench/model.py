@@ -67,7 +67,7 @@ def measure_ours(task, repeats, size, checkpointing):
         targets = [
             {k: np.array(v, np.float32 if k == "boxes" else np.int64) for k, v in t.items()} for t in targets_for(batch)
         ]
-        seconds = median_time(lambda: trainer.step(images, mask, targets), repeats)
+        seconds = median_time(lambda: trainer.step([(images, mask, targets)]), repeats)
     backend = kernels.available_backends()[-1]
     return {
         "seconds": seconds,

@@ -40,11 +40,11 @@ def measure(config: str, steps: int, size: int) -> dict:
         {"labels": np.array([1, 2]), "boxes": np.array([[0.3, 0.3, 0.2, 0.2], [0.7, 0.6, 0.3, 0.2]], np.float32)}
         for _ in range(batch)
     ]
-    trainer.step(images, mask, targets)
+    trainer.step([(images, mask, targets)])
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        trainer.step(images, mask, targets)
+        trainer.step([(images, mask, targets)])
         times.append(time.perf_counter() - start)
     return {"median_s": statistics.median(times), "batch": batch}
 

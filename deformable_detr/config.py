@@ -67,7 +67,11 @@ class OptimizerConfig:
 class ScheduleConfig:
     epochs: int = 50
     lr_drop: int = 40  # learning rates x 0.1 from this epoch on
-    batch_size: int = 2
+    batch_size: int = 32  # images per optimizer step over all processes (the authors': 2 per GPU on 16 GPUs)
+    # Images per forward and backward in each process; the gradients of a process's share of the batch
+    # accumulate over its micro-batches. `auto`: the largest that fits train.memory_limit_gb and
+    # divides the share (train.py's memory check).
+    micro_batch_size: int = field(default=2, metadata={"auto": True})
 
 
 @dataclass

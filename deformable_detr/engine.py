@@ -9,7 +9,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
-from .cli import CommandError
+from .cli import CommandError, UsageError
 from .config import Config
 from .criterion import build_criterion
 
@@ -79,6 +79,28 @@ def check_sampling_offsets(norms: dict):
         )
 
 
+def process_share(cfg: Config, world_size: int) -> int:
+    """Images per process and step: its share of `schedule.batch_size`. A batch that does not split
+    into processes x micro-batches is a UsageError naming the numbers."""
+    batch, micro = cfg.schedule.batch_size, cfg.schedule.micro_batch_size
+    if batch < 1 or (micro != "auto" and micro < 1):
+        raise UsageError(f"schedule.batch_size ({batch}) and schedule.micro_batch_size ({micro}) must be at least 1")
+    if batch % world_size:
+        raise UsageError(f"schedule.batch_size ({batch}) does not divide over {world_size} processes")
+    share = batch // world_size
+    if micro != "auto" and micro > share:
+        raise UsageError(
+            f"schedule.micro_batch_size ({micro}) is above each process's share of schedule.batch_size "
+            f"({batch} / {world_size} process(es) = {share})"
+        )
+    if micro != "auto" and share % micro:
+        raise UsageError(
+            f"schedule.batch_size ({batch}) is not a multiple of {world_size} process(es) x "
+            f"schedule.micro_batch_size ({micro})"
+        )
+    return share
+
+
 def seed_step(seed: int, global_step: int):
     """Seed MLX's generator (dropout) from the run's seed and the step."""
     mx.random.seed((seed * 1_000_003 + global_step) % 2**32)
@@ -123,10 +145,29 @@ class Trainer:
             count = mx.distributed.all_sum(count, group=self.group) / self.world_size
         return max(count.item(), 1.0)
 
-    def step(self, images, mask, targets) -> tuple[dict, float]:
-        """-> (the losses as floats, the gradients' global norm before clipping)."""
-        images, mask = mx.array(images), mx.array(mask)
-        (total, losses), grads = self.loss_and_grad(images, mask, targets, self.num_boxes(targets))
+    def step(self, micro_batches) -> tuple[dict, float]:
+        """One optimizer step over this process's share of the batch, given as micro-batches of
+        (images, mask, targets): their gradients accumulate, each loss normalised by the boxes of the
+        whole batch (averaged over processes, as the authors'), so that the step equals one over the
+        whole batch at once. -> (the losses as floats, the gradients' global norm before clipping)."""
+        images_in_step = sum(len(targets) for _, _, targets in micro_batches)
+        num_boxes = self.num_boxes([target for _, _, targets in micro_batches for target in targets])
+        grads = total = losses = None
+        for index, (images, mask, targets) in enumerate(micro_batches):
+            (part_total, parts), part_grads = self.loss_and_grad(mx.array(images), mx.array(mask), targets, num_boxes)
+            # the losses add up; the logged-only errors (class, cardinality) are means over the images
+            share = len(targets) / images_in_step
+            parts = {k: v if k in self.criterion.weight_dict else v * share for k, v in parts.items()}
+            if grads is None:
+                grads, total, losses = part_grads, part_total, parts
+            else:
+                grads = tree_map(mx.add, grads, part_grads)
+                total, losses = total + part_total, {k: v + parts[k] for k, v in losses.items()}
+            if index < len(micro_batches) - 1:  # the last one is evaluated with the update
+                mx.eval(grads, total, losses)
+        return self._update(grads, total, losses)
+
+    def _update(self, grads, total, losses) -> tuple[dict, float]:
         if self.world_size > 1:
             grads = tree_map(lambda g: mx.distributed.all_sum(g, group=self.group) / self.world_size, grads)
         max_norm = self.cfg.optimizer.clip_max_norm

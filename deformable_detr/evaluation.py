@@ -23,15 +23,22 @@ def evaluate(model, dataset, batch_size: int = 2, num_workers: int = 2, verbose:
     return coco_stats(dataset.coco, detections, verbose), detections
 
 
+def evaluation_batch_size(cfg) -> int:
+    """Images per forward when evaluating: `schedule.micro_batch_size`, or where that is `auto`, 2 (the
+    authors' images per GPU). (AP moves a little with the batch: padding reaches the backbone.)"""
+    micro = cfg.schedule.micro_batch_size
+    return 2 if micro == "auto" else micro
+
+
 def predict_detections(model, dataset, batch_size: int = 2, num_workers: int = 2, progress: bool = True) -> list:
     """Run the model over every image of `dataset` (a CocoDetection with its val transforms) -> COCO
     results: [{"image_id", "category_id", "bbox": [x, y, w, h] in original pixels, "score"}]."""
     loader = DataLoader(dataset, batch_size, shuffle=False, num_workers=num_workers, drop_last=False)
     model.eval()
     detections = []
-    with contextlib.closing(loader.epoch(0)) as batches:  # closed early too: the loader's threads stop
-        for images, mask, targets in tqdm(
-            batches, total=loader.batches_per_epoch(), desc="evaluate", disable=not progress
+    with contextlib.closing(loader.epoch(0)) as steps:  # closed early too: the loader's threads stop
+        for [(images, mask, targets)] in tqdm(
+            steps, total=loader.batches_per_epoch(), desc="evaluate", disable=not progress
         ):
             outputs = model(mx.array(images), mx.array(mask))
             detections += coco_results(post_process(outputs, np.stack([t["orig_size"] for t in targets])), targets)

@@ -26,7 +26,7 @@ def advice(checkpointing: bool) -> str:
     """What to lower; turning on activation checkpointing only where it is off."""
     turn_on = "" if checkpointing else ", or turn on train.activation_checkpointing"
     return (
-        f"lower schedule.batch_size, data.scales / data.max_size (the image size){turn_on}; "
+        f"lower schedule.micro_batch_size, data.scales / data.max_size (the image size){turn_on}; "
         "or raise train.memory_limit_gb if the machine has the memory"
     )
 
@@ -80,7 +80,7 @@ class Estimate:
     probes: list  # ((height, width), peak bytes) of each probe step
 
     def describe(self) -> str:
-        return f"{self.peak_bytes / GIB:.1f} GiB for a batch of {self.batch} x {self.height} x {self.width} px"
+        return f"{self.peak_bytes / GIB:.1f} GiB for a micro-batch of {self.batch} x {self.height} x {self.width} px"
 
 
 def probe_peak(loss_and_grad, batch: int, height: int, width: int, num_classes: int) -> int:
@@ -118,26 +118,45 @@ def estimate_step_memory(trainer, batch: int, height: int, width: int, num_class
     return Estimate(peak, batch, height, width, probes)
 
 
-def check_memory(trainer, train_dataset, cfg, log=None) -> Estimate:
-    """Raise MemoryBudgetError (its message names the estimate, the budget and what to lower) when a
-    step of the largest batch would not fit; return the estimate otherwise. `log`: told what is
-    being measured before the probe steps run."""
+def check_memory(trainer, train_dataset, cfg, share: int, log=None) -> tuple[int, Estimate]:
+    """The micro-batch size to train with, and the estimated peak of a micro-batch of the largest
+    images the data can produce: `schedule.micro_batch_size`, or for `auto` the largest that divides
+    the process's `share` of the batch and fits the budget (from probes of 1 and 2 images: the peak
+    grows by the same amount with every image). Raise MemoryBudgetError (its message names the
+    estimate, the budget and what to lower) when even that does not fit. `log`: told what is being
+    measured before the probe steps run."""
     height, width = largest_batch(train_dataset.image_sizes(), cfg.data)
+    micro, num_classes = cfg.schedule.micro_batch_size, cfg.model.num_classes
     if log is not None:
-        log(
-            f"memory: the largest batch the data can produce is {cfg.schedule.batch_size} x {height} x {width} px; "
-            "two probe steps estimate its peak"
-        )
-    estimate = estimate_step_memory(trainer, cfg.schedule.batch_size, height, width, cfg.model.num_classes)
+        what = "a micro-batch of 1 and of 2" if micro == "auto" else f"a micro-batch of {micro}"
+        log(f"memory: the largest images the data can produce pad to {height} x {width} px; probe steps of {what}")
+    if micro == "auto":
+        one = estimate_step_memory(trainer, 1, height, width, num_classes)
+        two = estimate_step_memory(trainer, 2, height, width, num_classes) if share > 1 else one
+        per_image = max(two.peak_bytes - one.peak_bytes, 0.0)
+        peaks = {m: one.peak_bytes + (m - 1) * per_image for m in range(1, share + 1) if share % m == 0}
+        fitting = [
+            m for m, peak in peaks.items() if peak + _accumulator(trainer, share // m) <= budget_bytes(cfg.train)
+        ]
+        micro = max(fitting, default=1)
+        estimate = Estimate(peaks[micro], micro, height, width, one.probes + two.probes)
+    else:
+        estimate = estimate_step_memory(trainer, micro, height, width, num_classes)
+    estimate.peak_bytes += _accumulator(trainer, share // micro)
     budget = budget_bytes(cfg.train)
     if estimate.peak_bytes > budget:
         source = "train.memory_limit_gb" if cfg.train.memory_limit_gb > 0 else "80% of this machine's memory"
         raise MemoryBudgetError(
-            f"a training step of the largest batch the data can produce would need about {estimate.describe()} "
+            f"a training step of the largest micro-batch the data can produce would need about {estimate.describe()} "
             f"(estimated from probe steps), over the memory budget of {budget / GIB:.1f} GiB ({source}); "
             f"{advice(cfg.train.activation_checkpointing)}"
         )
-    return estimate
+    return micro, estimate
+
+
+def _accumulator(trainer, micro_batches: int) -> int:
+    """The gradients accumulated over the micro-batches of a step: one more copy of the trainable weights."""
+    return sum(v.nbytes for _, v in tree_flatten(trainer.model.trainable_parameters())) if micro_batches > 1 else 0
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -147,4 +166,4 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def out_of_memory_message(error: BaseException, images_shape, checkpointing: bool) -> str:
     b, h, w = images_shape[:3]
-    return f"out of memory in a training step of a batch of {b} x {h} x {w} px ({error}); {advice(checkpointing)}"
+    return f"out of memory in a training step of a micro-batch of {b} x {h} x {w} px ({error}); {advice(checkpointing)}"

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from .cli import CommandError
 from .data import BadImageError
 from .engine import Trainer, seed_step, set_epoch_learning_rates
-from .evaluation import evaluate
+from .evaluation import evaluate, evaluation_batch_size
 from .memory import is_out_of_memory, out_of_memory_message
 from .run_directory import RunDirectory
 
@@ -99,8 +99,7 @@ def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=Non
     cfg = trainer.cfg
     if loader.batches_per_epoch() == 0:
         raise ValueError(
-            f"the train split has {len(loader.dataset)} images: fewer than schedule.batch_size "
-            f"({cfg.schedule.batch_size}) x {loader.world_size} process(es)"
+            f"the train split has {len(loader.dataset)} images: fewer than schedule.batch_size ({loader.batch_size})"
         )
     stats = None
     with StopSignals() as signals, stopping_cleanly(trainer, run, progress):
@@ -110,7 +109,7 @@ def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=Non
                 stats = end_epoch(trainer, run, progress, val) or stats
             run.save(trainer, progress)
         if val is not None:
-            stats = stats or evaluate(trainer.model, val, cfg.schedule.batch_size, cfg.data.num_workers)[0]
+            stats = stats or evaluate(trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers)[0]
             run.write_results(stats)
             run.write_pictures(trainer.model, val)
     return stats
@@ -124,9 +123,9 @@ def train_one_epoch(trainer: Trainer, loader, run: RunDirectory, progress: Progr
         total=loader.batches_per_epoch(), initial=progress.step, desc=f"epoch {progress.epoch}", disable=not run.is_main
     )
     with bar, contextlib.closing(loader.epoch(progress.epoch, progress.step)) as batches:
-        for images, mask, targets in batches:
+        for micro_batches in batches:
             with signals.deferred():
-                record = train_step(trainer, images, mask, targets, run, progress)
+                record = train_step(trainer, micro_batches, run, progress)
                 if progress.global_step % cfg.train.log_every == 0:
                     run.log(record)
             bar.set_postfix(
@@ -139,16 +138,17 @@ def train_one_epoch(trainer: Trainer, loader, run: RunDirectory, progress: Progr
                 break
 
 
-def train_step(trainer: Trainer, images, mask, targets, run: RunDirectory, progress: Progress) -> dict:
-    """One step, counted in `progress`; -> its log record."""
+def train_step(trainer: Trainer, micro_batches: list, run: RunDirectory, progress: Progress) -> dict:
+    """One optimizer step, counted in `progress`; -> its log record."""
     seed_step(trainer.cfg.seed, progress.global_step)
     started = time.perf_counter()
     try:
-        losses, grad_norm = trainer.step(images, mask, targets)
+        losses, grad_norm = trainer.step(micro_batches)
     except RuntimeError as error:  # Metal's allocation failure (the memory check rules the CPU's out)
         if not is_out_of_memory(error):
             raise
-        message = out_of_memory_message(error, images.shape, trainer.cfg.train.activation_checkpointing)
+        shape = max(images.shape for images, _, _ in micro_batches)
+        message = out_of_memory_message(error, shape, trainer.cfg.train.activation_checkpointing)
         raise CommandError(f"{message}; the last checkpoint, intact: {run.checkpoint}") from None
     if trainer.steps == 1:  # the trainer's first: it measured (and checked) every sampling_offsets layer
         norms = trainer.sampling_offsets_grad_norms
@@ -169,7 +169,7 @@ def train_step(trainer: Trainer, images, mask, targets, run: RunDirectory, progr
         "global_step": progress.global_step,
         "lr": trainer.optimizer.optimizers[-1].learning_rate.item(),
         "grad_norm": grad_norm,
-        "images_per_s": len(targets) * trainer.world_size / seconds,
+        "images_per_s": sum(len(targets) for _, _, targets in micro_batches) * trainer.world_size / seconds,
         **losses,
     }
 
@@ -178,7 +178,7 @@ def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val) -> d
     """After the epoch's last step: its evaluation (when due), then its records; the next epoch."""
     cfg, stats = trainer.cfg, None
     if val is not None and (progress.epoch + 1) % cfg.train.eval_every == 0:
-        stats, _ = evaluate(trainer.model, val, cfg.schedule.batch_size, cfg.data.num_workers)
+        stats, _ = evaluate(trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers)
         run.print(f"epoch {progress.epoch}: AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}")
     means = {k: v / max(progress.step, 1) for k, v in progress.loss_sums.items()}
     run.log(

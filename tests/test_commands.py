@@ -43,6 +43,18 @@ def cases(data, tmp):
         "train unparsable YAML": (TRAIN, ["--config", str(broken)], 2, unparsable),
         "train missing weights": (TRAIN, [*config, data_path, "--weights", nowhere], 1, missing_weights),
         "train missing checkpoint": (TRAIN, [*config, data_path, "--resume", nowhere], 1, missing_weights),
+        "train batch that does not split": (
+            TRAIN,
+            [*config, data_path, "schedule.batch_size=6", "schedule.micro_batch_size=4"],
+            2,
+            "schedule.batch_size (6) is not a multiple of 1 process(es) x schedule.micro_batch_size (4)",
+        ),
+        "train micro-batch above the share": (
+            TRAIN,
+            [*config, data_path, "schedule.batch_size=4", "schedule.micro_batch_size=8"],
+            2,
+            "schedule.micro_batch_size (8) is above each process's share of schedule.batch_size (4 / 1 process",
+        ),
         "train bad argument": (TRAIN, [*config, "--eval-only=yes"], 2, "--eval-only: ignored explicit argument"),
         "eval unknown key": (EVAL, [*config, *weights, "schedule.batchsize=4"], 2, unknown),
         "eval wrong type": (EVAL, [*config, *weights, "schedule.batch_size=abc"], 2, wrong_type),

@@ -24,6 +24,8 @@ def test_configs_are_the_authors_defaults_plus_their_flags(name):
     expected.model = dataclasses.replace(expected.model, **AUTHORS[name])
     # ours, not the authors': at their image sizes a step fits in memory only with it
     expected.train = dataclasses.replace(expected.train, activation_checkpointing=True)
+    # ours: their 32 images a step in micro-batches that fit this machine
+    expected.schedule = dataclasses.replace(expected.schedule, micro_batch_size="auto")
     assert cfg == expected
 
 
@@ -51,7 +53,8 @@ def test_unknown_keys_are_named_with_the_nearest_key(tmp_path):
     ):
         load_config(None, ["optimizer.learning_rate=1e-3"])
     nothing_near = (
-        "override: schedule.foo: unknown key; expected one of schedule.epochs, schedule.lr_drop, schedule.batch_size"
+        "override: schedule.foo: unknown key; expected one of schedule.epochs, schedule.lr_drop, schedule.batch_size, "
+        "schedule.micro_batch_size"
     )
     with pytest.raises(UsageError, match=f"^{re.escape(nothing_near)}$"):
         load_config(None, ["schedule.foo=1"])

@@ -73,6 +73,28 @@ def test_coco_reading_drops_crowd_and_degenerate_boxes(tmp_path):
     np.testing.assert_allclose(t["boxes"], [[5, 5, 15, 15], [45, 30, 50, 40]])  # the last clipped to the image
 
 
+def micro_batches(loader, epoch, start=0):
+    return [batch for step in loader.epoch(epoch, start) for batch in step]
+
+
+def test_a_step_is_the_same_images_however_it_is_split():
+    """Over processes (rank r takes the r-th share) and micro-batches, in order: the images of one
+    process's step with no micro-batches."""
+    whole = DataLoader(SlowDataset(), batch_size=8, seed=3)._steps(0)
+    assert len(whole) == 3 and all(len(step) == 1 and len(step[0]) == 8 for step in whole)
+    for world_size, micro in [(1, 4), (2, 4), (2, 1), (4, 2), (8, 1)]:
+        ranks = [
+            DataLoader(SlowDataset(), 8, seed=3, rank=r, world_size=world_size, micro_batch_size=micro)._steps(0)
+            for r in range(world_size)
+        ]
+        for index, step in enumerate(whole):
+            parts = [batch for rank in ranks for batch in rank[index]]
+            assert all(len(batch) == micro for batch in parts)
+            np.testing.assert_array_equal(np.concatenate(parts), step[0])
+    with pytest.raises(ValueError, match="a batch of 8 does not split into 2 x 3"):
+        DataLoader(SlowDataset(), 8, world_size=2, micro_batch_size=3)
+
+
 def test_batches_are_deterministic_padded_and_normalised(shapes):
     cfg = load_config(
         None,
@@ -85,9 +107,9 @@ def test_batches_are_deterministic_padded_and_normalised(shapes):
         ],
     )
     loader = DataLoader(build_dataset("train", cfg.data), batch_size=3, seed=7)
-    first = list(loader.epoch(0))
-    again = list(loader.epoch(0))
-    other = list(loader.epoch(1))
+    first = micro_batches(loader, 0)
+    again = micro_batches(loader, 0)
+    other = micro_batches(loader, 1)
     assert len(first) == 4
     for (images, mask, targets), (images2, _, targets2) in zip(first, again, strict=True):
         np.testing.assert_array_equal(images, images2)
@@ -97,7 +119,7 @@ def test_batches_are_deterministic_padded_and_normalised(shapes):
             assert not mask[i, :h, :w].any() and mask[i, h:].all() and mask[i, :, w:].all()
             assert (t["boxes"] > 0).all() and (t["boxes"] <= 1).all()  # cx, cy, w, h normalised
     assert [t["image_id"] for _, _, ts in first for t in ts] != [t["image_id"] for _, _, ts in other for t in ts]
-    resumed = list(loader.epoch(0, start=2))
+    resumed = micro_batches(loader, 0, 2)
     np.testing.assert_array_equal(resumed[0][0], first[2][0])
 
 
@@ -111,11 +133,11 @@ def test_missing_image_names_its_path(shapes, tmp_path):
     cfg = load_config(None, [f"data.coco_path={root}"])
     loader = DataLoader(build_dataset("train", cfg.data), batch_size=2, shuffle=False)
     with pytest.raises(BadImageError, match=r"000000000003\.png: image file not found \(image id 3\)"):
-        list(loader.epoch(0))
+        micro_batches(loader, 0)
     skipping = load_config(None, [f"data.coco_path={root}", "data.skip_bad_images=true"])
     loader = DataLoader(build_dataset("train", skipping.data), batch_size=2, shuffle=False)
     with pytest.warns(UserWarning) as warned:
-        batches = list(loader.epoch(0))
+        batches = micro_batches(loader, 0)
     messages = sorted(str(w.message) for w in warned)
     assert len(messages) == 2
     assert "000000000003.png: image file not found" in messages[0]
@@ -156,7 +178,7 @@ def test_batches_come_in_order_whatever_the_threads_do():
     loader = DataLoader(SlowDataset(), batch_size=2, shuffle=False, num_workers=4, prefetch=6)
     for trial in range(3):
         ids = []
-        for _, _, targets in loader.epoch(trial):
+        for _, _, targets in micro_batches(loader, trial):
             ids += [t["image_id"] for t in targets]
             time.sleep(0.01)  # a consumer busy with a training step
         assert ids == list(range(24))

@@ -14,6 +14,7 @@ from PIL import Image
 from test_train import ROOT, TINY, run, shapes  # noqa: F401  (the fixture)
 
 from deformable_detr import build_model, load_config
+from deformable_detr.data import build_dataset
 from deformable_detr.data.transforms import make_transforms
 from deformable_detr.engine import Trainer, build_optimizer
 from deformable_detr.memory import estimate_step_memory, largest_batch, largest_image, probe_peak
@@ -60,6 +61,47 @@ def test_estimate_from_probes_is_close_to_the_measured_peak():
     assert before_first_update.peak_bytes == pytest.approx(estimate.peak_bytes + 3 * trainable, rel=0.02)
 
 
+def test_the_peak_grows_by_the_same_amount_with_every_image():
+    """What `micro_batch_size: auto` extrapolates from: the estimates for 1 and 2 images give that of
+    4 within 10% of a measured step of 4."""
+    cfg = load_config(TINY, ["optimizer.lr_backbone=1e-5", "optimizer.freeze_stem_and_layer1=false"])
+    mx.random.seed(0)
+    trainer = Trainer.from_config(build_model(cfg), cfg)
+    trainer.optimizer.init(trainer.model.trainable_parameters())
+    one, two = (estimate_step_memory(trainer, b, 256, 320, cfg.model.num_classes).peak_bytes for b in (1, 2))
+    measured = probe_peak(trainer.loss_and_grad, 4, 256, 320, cfg.model.num_classes)
+    assert one + 3 * (two - one) == pytest.approx(measured, rel=0.1)
+    assert two < 0.8 * measured  # the extrapolation did the work
+
+
+@pytest.mark.parametrize("limit_gb, chosen", [(100.0, 8), (2.6, 4), (1.6, 2), (1.2, 1)])
+def test_auto_takes_the_largest_micro_batch_that_divides_the_share_and_fits(shapes, monkeypatch, limit_gb, chosen):  # noqa: F811
+    """With estimates of 1 GiB for one image and 0.5 GiB more for each other one, a share of 8."""
+    from deformable_detr import memory
+
+    monkeypatch.setattr(
+        memory, "estimate_step_memory", lambda t, b, h, w, n: memory.Estimate((0.5 + 0.5 * b) * memory.GIB, b, h, w, [])
+    )
+    monkeypatch.setattr(memory, "_accumulator", lambda trainer, micro_batches: 0)
+    cfg = load_config(
+        TINY, [f"data.coco_path={shapes}", "schedule.micro_batch_size=auto", f"train.memory_limit_gb={limit_gb}"]
+    )
+    micro, estimate = memory.check_memory(None, build_dataset("train", cfg.data), cfg, share=8)
+    assert micro == chosen and estimate.peak_bytes == (0.5 + 0.5 * chosen) * memory.GIB
+
+
+def test_auto_that_cannot_fit_one_image_stops_naming_it(shapes, monkeypatch):  # noqa: F811
+    from deformable_detr import memory
+
+    monkeypatch.setattr(
+        memory, "estimate_step_memory", lambda t, b, h, w, n: memory.Estimate(b * memory.GIB, b, h, w, [])
+    )
+    monkeypatch.setattr(memory, "_accumulator", lambda trainer, micro_batches: 0)
+    cfg = load_config(TINY, [f"data.coco_path={shapes}", "schedule.micro_batch_size=auto", "train.memory_limit_gb=0.5"])
+    with pytest.raises(memory.MemoryBudgetError, match=r"1\.0 GiB for a micro-batch of 1 x 64 x 64 px.*0\.5 GiB"):
+        memory.check_memory(None, build_dataset("train", cfg.data), cfg, share=8)
+
+
 def test_a_budget_too_small_stops_before_any_step(shapes, tmp_path):  # noqa: F811
     output = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), "--config", str(TINY), "--output-dir", str(output)]
@@ -68,10 +110,10 @@ def test_a_budget_too_small_stops_before_any_step(shapes, tmp_path):  # noqa: F8
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment)
     assert done.returncode == 1, done.stderr[-2000:]
     message = done.stderr.strip().splitlines()[-1]
-    assert message.startswith("error: a training step of the largest batch the data can produce would need about")
-    assert "for a batch of 2 x 64 x 64 px" in message
+    assert message.startswith("error: a training step of the largest micro-batch the data can produce would need")
+    assert "for a micro-batch of 2 x 64 x 64 px" in message
     assert "over the memory budget of 0.0 GiB (train.memory_limit_gb)" in message
-    assert "lower schedule.batch_size, data.scales / data.max_size" in message
+    assert "lower schedule.micro_batch_size, data.scales / data.max_size" in message
     assert "train.activation_checkpointing" in message
     assert not (output / "checkpoint.safetensors").exists()
     assert not (output / "log.jsonl").exists() or (output / "log.jsonl").read_text() == ""
@@ -86,7 +128,7 @@ def test_an_allocation_failure_in_a_step_stops_with_the_advice_and_keeps_the_che
     checkpoint = run(shapes, tmp_path, "train.max_steps=2")
     before = checkpoint.read_bytes()
 
-    def fails(self, images, mask, targets):
+    def fails(self, micro_batches):
         raise RuntimeError("[malloc] Unable to allocate 123456789 bytes.")
 
     monkeypatch.setattr(engine.Trainer, "step", fails)
@@ -104,8 +146,8 @@ def test_an_allocation_failure_in_a_step_stops_with_the_advice_and_keeps_the_che
             ]
         )
     message = str(stopped.value.code)
-    assert message.startswith("error: out of memory in a training step of a batch of 2 x 64 x 64 px")
-    assert "lower schedule.batch_size" in message and str(checkpoint) in message
+    assert message.startswith("error: out of memory in a training step of a micro-batch of 2 x 64 x 64 px")
+    assert "lower schedule.micro_batch_size" in message and str(checkpoint) in message
     assert checkpoint.read_bytes() == before
 
 
@@ -113,4 +155,4 @@ def test_the_advice_names_checkpointing_only_where_it_is_off():
     from deformable_detr.memory import advice
 
     assert "turn on train.activation_checkpointing" in advice(False)
-    assert "activation_checkpointing" not in advice(True) and "lower schedule.batch_size" in advice(True)
+    assert "activation_checkpointing" not in advice(True) and "lower schedule.micro_batch_size" in advice(True)

@@ -70,7 +70,7 @@ def test_an_unreadable_image_mid_epoch_saves_the_progress_and_names_the_way_on(s
     cfg = load_config(TINY, [f"data.coco_path={root}"])
     dataset = build_dataset("train", cfg.data)
     batch = 5  # the batch of epoch 0 with the bad image: five steps come before it
-    index = DataLoader(dataset, cfg.schedule.batch_size, seed=cfg.seed)._batches(0)[batch][0]
+    index = DataLoader(dataset, cfg.schedule.batch_size, seed=cfg.seed)._steps(0)[batch][0][0]
     bad = dataset.image_dir / dataset.coco.imgs[dataset.ids[index]]["file_name"]
     bad.write_bytes(b"not a PNG")
 
@@ -193,8 +193,8 @@ def failing_at_step(number: int, failure):
     """Trainer.step, with `failure(losses)` applied to (or raised at) the trainer's step `number`."""
     step = Trainer.step
 
-    def failing(self, images, mask, targets):
-        losses, grad_norm = step(self, images, mask, targets)
+    def failing(self, micro_batches):
+        losses, grad_norm = step(self, micro_batches)
         if self.steps == number:
             failure(losses)
         return losses, grad_norm

@@ -92,10 +92,17 @@ def test_first_step_logs_every_sampling_offsets_gradient(shapes, tmp_path):
     assert all(np.isfinite(v) and v > 0 for v in norms.values())
 
 
-def test_two_processes_equal_one_on_the_combined_batch(shapes, tmp_path):
-    """Data parallel over the ring backend on loopback: batch 2 on each of 2 processes, one step,
-    against batch 4 in one process. Same images (the first 4 of the epoch's order), same update."""
-    single = run(shapes, tmp_path / "single", "train.max_steps=1", "schedule.batch_size=4", "model.dropout=0.0")
+def first_step(output_dir) -> dict:
+    return next(json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines() if '"step": 1' in line)
+
+
+def test_two_processes_and_two_micro_batches_equal_one_batch(shapes, tmp_path):
+    """A batch of 4 in one step: in one piece, as 2 micro-batches of 2 (gradients accumulated), and
+    over 2 processes of 2 (data parallel over the ring backend on loopback). Same images (the first
+    4 of the epoch's order), the same losses, the same update."""
+    one_step = ["train.max_steps=1", "schedule.batch_size=4", "model.dropout=0.0"]
+    single = run(shapes, tmp_path / "single", *one_step, "schedule.micro_batch_size=4")
+    accumulated = run(shapes, tmp_path / "accumulated", *one_step, "schedule.micro_batch_size=2")
     launcher = Path(sys.executable).parent / "mlx.launch"  # installed with mlx, beside this python
     command = [
         str(launcher),
@@ -114,18 +121,21 @@ def test_two_processes_equal_one_on_the_combined_batch(shapes, tmp_path):
         "--output-dir",
         str(tmp_path / "double"),
         f"data.coco_path={shapes}",
-        "train.max_steps=1",
-        "schedule.batch_size=2",
-        "model.dropout=0.0",
+        *one_step,
+        "schedule.micro_batch_size=2",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    got, want = weights(tmp_path / "double" / "checkpoint.safetensors"), weights(single)
-    # Adam's first step moves each parameter by about lr * g / |g|: where a gradient entry is near
-    # zero, the different summation order of all_sum can tip it by a fraction of lr (1e-3).
-    for key in want:
-        if key.startswith("model."):
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    want, want_losses = weights(single), first_step(tmp_path / "single")
+    for other in (accumulated, tmp_path / "double" / "checkpoint.safetensors"):
+        got, losses = weights(other), first_step(other.parent)
+        for key in ("loss", "loss_ce", "loss_bbox", "loss_giou", "loss_ce_0", "grad_norm"):
+            assert losses[key] == pytest.approx(want_losses[key], rel=1e-5), (other, key)
+        # Adam's first step moves each parameter by about lr * g / |g|: where a gradient entry is near
+        # zero, another summation order can tip it by a fraction of lr (1e-3).
+        for key in want:
+            if key.startswith("model."):
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=f"{other}: {key}")
 
 
 def test_parameter_groups_frozen_layers_and_lr_drop():
@@ -168,3 +178,44 @@ def test_weights_must_belong_to_the_model(shapes, tmp_path):
     mx.save_safetensors(str(weights), {"backbone.0.body.conv1.weight": mx.zeros((2, 2))})
     with pytest.raises(SystemExit, match=r"conv1\.weight has shape \(2, 2\); the model's is \(64, 7, 7, 3\)"):
         run(shapes, tmp_path / "o", weights=weights)
+
+
+def test_accumulated_gradients_equal_the_whole_batch(monkeypatch):
+    """The trainer's step over micro-batches of 2 and of 1 against one of 4: the losses and every
+    gradient (images of one size, targets with different numbers of boxes, so that normalising each
+    micro-batch by its own boxes would show)."""
+    from mlx.utils import tree_flatten
+
+    from deformable_detr import build_model, load_config
+
+    cfg = load_config(
+        TINY, ["model.dropout=0.0", "optimizer.lr_backbone=1e-5", "optimizer.freeze_stem_and_layer1=false"]
+    )
+    mx.random.seed(0)
+    trainer = engine.Trainer.from_config(build_model(cfg), cfg)
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((4, 64, 64, 3)).astype(np.float32)
+    mask = np.zeros((4, 64, 64), bool)
+    targets = [
+        {"labels": rng.integers(1, 6, n), "boxes": rng.uniform(0.2, 0.4, (n, 4)).astype(np.float32)}
+        for n in (1, 4, 2, 3)
+    ]
+    captured = []
+    monkeypatch.setattr(engine.Trainer, "_update", lambda self, grads, total, losses: captured.append((grads, losses)))
+
+    def step(size):
+        trainer.step([(images[i : i + size], mask[i : i + size], targets[i : i + size]) for i in range(0, 4, size)])
+        grads, losses = captured.pop()
+        return dict(tree_flatten(grads)), {k: v.item() for k, v in losses.items()}
+
+    want_grads, want_losses = step(4)
+    assert any(k.startswith("backbone.0.body.conv1") for k in want_grads)
+    for size in (2, 1):
+        grads, losses = step(size)
+        for key, want in want_losses.items():  # the logged class error is a mean over images, not boxes
+            assert losses[key] == pytest.approx(want, rel=1e-5) or key.startswith("class_error"), (size, key)
+        for key, want in want_grads.items():
+            scale = float(np.abs(np.array(want)).max())
+            np.testing.assert_allclose(
+                np.array(grads[key]), np.array(want), atol=1e-5 * scale, err_msg=f"{size}: {key}"
+            )

@@ -28,35 +28,57 @@ def collate(samples):
 
 class DataLoader:
     """Deterministic batches: the order is a permutation drawn from (seed, epoch), each sample's
-    augmentation from (seed, epoch, index), so a run resumed at any batch sees the same data.
-    Batches are loaded by `num_workers` mlx-data threads, `prefetch` batches ahead; with several
-    processes each takes every world_size-th batch of the same order."""
+    augmentation from (seed, epoch, index), so a run resumed at any step sees the same data.
+
+    A step takes the next `batch_size` images of the order; with several processes each takes its
+    share (`batch_size / world_size` images: rank r the r-th), in micro-batches of
+    `micro_batch_size` (default: the whole share), each padded to its own largest image. Batches are
+    loaded by `num_workers` mlx-data threads, `prefetch` micro-batches ahead."""
 
     def __init__(
-        self, dataset, batch_size, shuffle=True, seed=0, num_workers=2, prefetch=2, rank=0, world_size=1, drop_last=True
+        self,
+        dataset,
+        batch_size,
+        shuffle=True,
+        seed=0,
+        num_workers=2,
+        prefetch=2,
+        rank=0,
+        world_size=1,
+        drop_last=True,
+        micro_batch_size=None,
     ):
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
-        self.drop_last = drop_last  # training: equal batches; evaluation: every image
+        self.drop_last = drop_last  # training: whole steps; evaluation: every image
         self.num_workers, self.prefetch, self.rank, self.world_size = num_workers, prefetch, rank, world_size
+        self.micro_batch_size = micro_batch_size or batch_size // world_size
+        if batch_size % (world_size * self.micro_batch_size):
+            raise ValueError(f"a batch of {batch_size} does not split into {world_size} x {self.micro_batch_size}")
         self.skipped = 0
 
     def batches_per_epoch(self):
-        return len(self._batches(0))
+        """Steps per epoch."""
+        return len(self._steps(0))
 
-    def _batches(self, epoch):
+    def _steps(self, epoch) -> list[list[np.ndarray]]:
+        """This process's micro-batches (dataset indices) of each step of `epoch`."""
         order = np.arange(len(self.dataset))
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        if self.drop_last:  # whole batches only, the same number for every process
-            batches = batches[: len(order) // self.batch_size // self.world_size * self.world_size]
-        return batches[self.rank :: self.world_size]
+        steps = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if self.drop_last:  # whole steps only, the same number for every process
+            steps = [step for step in steps if len(step) == self.batch_size]
+        share, micro = self.batch_size // self.world_size, self.micro_batch_size
+        shares = [step[self.rank * share : (self.rank + 1) * share] for step in steps]
+        return [[images[i : i + micro] for i in range(0, len(images), micro)] for images in shares]
 
     def epoch(self, epoch: int, start: int = 0):
-        """Yield (images, mask, targets) for `epoch`, from batch `start` on."""
+        """Yield, for each step of `epoch` from step `start` on, its micro-batches: a list of
+        (images, mask, targets)."""
         import mlx.data as dx
 
-        batches = self._batches(epoch)[start:]
+        steps = self._steps(epoch)[start:]
+        batches = [batch for step in steps for batch in step]
         if not batches:
             return
 
@@ -85,16 +107,12 @@ class DataLoader:
             [{"indices": np.asarray(b, np.int64), "position": np.array(i)} for i, b in enumerate(batches)]
         )
         stream = buffer.to_stream().sample_transform(load).prefetch(self.prefetch, self.num_workers)
+        elements = _in_order(stream)
         try:
-            for element in _in_order(stream):
-                if len(element["error"]):
-                    kind, _, message = bytes(element["error"]).decode().partition(": ")
-                    raise (BadImageError if kind == "BadImageError" else RuntimeError)(message)
-                for message in filter(None, bytes(element["skipped"]).decode().split("\n")):
-                    self.skipped += 1
-                    warnings.warn(f"skipping {message}", stacklevel=2)
-                if len(element["counts"]):
-                    yield _unpack(element)
+            for step in steps:
+                micro_batches = [self._received(next(elements)) for _ in step]
+                if any(len(targets) for _, _, targets in micro_batches):
+                    yield [batch for batch in micro_batches if len(batch[2])]
         finally:
             # Stopped early (an error, or the consumer closed us): let the worker threads run out the
             # stream, each remaining batch a no-op, so none is left running when the process exits
@@ -103,6 +121,16 @@ class DataLoader:
             stopping.set()
             for _ in stream:
                 pass
+
+    def _received(self, element):
+        """A loaded micro-batch -> (images, mask, targets); its skipped images warned of, its error raised."""
+        if len(element["error"]):
+            kind, _, message = bytes(element["error"]).decode().partition(": ")
+            raise (BadImageError if kind == "BadImageError" else RuntimeError)(message)
+        for message in filter(None, bytes(element["skipped"]).decode().split("\n")):
+            self.skipped += 1
+            warnings.warn(f"skipping {message}", stacklevel=3)
+        return _unpack(element)
 
 
 def _in_order(stream):
