@@ -15,7 +15,8 @@ from pathlib import Path
 from deformable_detr import load_config
 from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import build_dataset
-from deformable_detr.evaluation import evaluate, evaluation_batch_size
+from deformable_detr.evaluation import evaluate, evaluation_batch_size, per_class_table
+from deformable_detr.visualize import pr_curves
 from deformable_detr.weights import load_trained_model
 
 
@@ -50,13 +51,17 @@ def main(argv=None) -> dict:
     for message in name_mismatches(recorded_names, dataset):
         print(f"warning: {message}", file=sys.stderr)
     batch_size = args.batch_size or evaluation_batch_size(cfg)
-    stats, detections = evaluate(model, dataset, batch_size, cfg.data.num_workers, verbose=True)
+    evaluation = evaluate(model, dataset, batch_size, cfg.data.num_workers, verbose=True)
+    print(per_class_table(evaluation.stats))
     output_dir = args.output_dir or args.checkpoint.parent
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "detections_val.json").write_text(json.dumps(detections))
-    (output_dir / "eval_results.json").write_text(json.dumps(stats, indent=2))
-    print(f"wrote {output_dir / 'eval_results.json'} and {output_dir / 'detections_val.json'}")
-    return stats
+    (output_dir / "detections_val.json").write_text(json.dumps(evaluation.detections))
+    (output_dir / "eval_results.json").write_text(json.dumps(evaluation.stats, indent=2))
+    pr_curves(evaluation.curves, output_dir / "pr_curves.png")
+    print(
+        f"wrote {', '.join(str(output_dir / n) for n in ('eval_results.json', 'detections_val.json', 'pr_curves.png'))}"
+    )
+    return evaluation.stats
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from deformable_detr import build_model, load_config
 from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import DataLoader, build_dataset, num_classes_for
 from deformable_detr.engine import Trainer, process_share
-from deformable_detr.evaluation import evaluate, evaluation_batch_size
+from deformable_detr.evaluation import evaluate, evaluation_batch_size, per_class_table
 from deformable_detr.memory import GIB, budget_bytes, check_memory
 from deformable_detr.run_directory import RunDirectory
 from deformable_detr.training import Progress, fit
@@ -67,9 +67,10 @@ def main(argv=None):
     val = build_dataset("val", cfg.data) if run.is_main and (cfg.train.eval_every or args.eval_only) else None
     if args.eval_only:
         if val is not None:
-            stats, _ = evaluate(model, val, evaluation_batch_size(cfg), cfg.data.num_workers)
+            stats = evaluate(model, val, evaluation_batch_size(cfg), cfg.data.num_workers).stats
             run.write_results(stats)
-            run.print(json.dumps(stats, indent=2))
+            run.print(per_class_table(stats))
+            run.print(json.dumps({k: v for k, v in stats.items() if k != "per_class"}, indent=2))
         return
 
     model.train()

@@ -1,8 +1,9 @@
 """COCO box AP of a model on a COCO-format split, with pycocotools: `evaluate`, for training and
-eval.py alike."""
+eval.py alike, overall and per category."""
 
 import contextlib
 import io
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -12,15 +13,24 @@ from .data import DataLoader
 from .model import post_process
 
 STAT_NAMES = ["AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl"]
+PER_CLASS_NAMES = ["AP", "AP50", "AP75", "APs", "APm", "APl"]  # pycocotools' first six, for one category
 
 
-def evaluate(model, dataset, batch_size: int = 2, num_workers: int = 2, verbose: bool = False) -> tuple[dict, list]:
-    """COCO box AP of `model` on `dataset` (its val split) -> (the 12 summary numbers by name, the
-    detections). `verbose` prints pycocotools' summary. The model is left in the mode it was in."""
+@dataclass
+class Evaluation:
+    stats: dict  # STAT_NAMES, and "per_class": {category name: PER_CLASS_NAMES and "gt", the boxes}
+    detections: list  # COCO's results format
+    curves: dict  # {category name: precision at 101 recalls, IoU 0.5, -1 where undefined}
+
+
+def evaluate(model, dataset, batch_size: int = 2, num_workers: int = 2, verbose: bool = False) -> Evaluation:
+    """COCO box AP of `model` on `dataset` (its val split). `verbose` prints pycocotools' summary.
+    The model is left in the mode it was in."""
     training = model.training
     detections = predict_detections(model, dataset, batch_size, num_workers)
     model.train(training)
-    return coco_stats(dataset.coco, detections, verbose), detections
+    evaluator = coco_evaluator(dataset.coco, detections, verbose)
+    return Evaluation(summary(evaluator, dataset.coco), detections, precision_at_50(evaluator, dataset.coco))
 
 
 def evaluation_batch_size(cfg) -> int:
@@ -64,18 +74,64 @@ def coco_results(results: list, targets: list) -> list:
 
 
 def coco_stats(coco_gt, detections: list, verbose: bool = True) -> dict:
-    """pycocotools' bbox evaluation: the 12 summary numbers by name (printed when verbose)."""
+    """pycocotools' bbox evaluation: the 12 summary numbers by name (printed when verbose), and
+    "per_class"."""
+    return summary(coco_evaluator(coco_gt, detections, verbose), coco_gt)
+
+
+def coco_evaluator(coco_gt, detections: list, verbose: bool = True):
+    """pycocotools' COCOeval (bbox), evaluated, accumulated and summarised; None without detections
+    of the set's categories."""
     from pycocotools.cocoeval import COCOeval
 
     known = set(coco_gt.getCatIds())
     detections = [d for d in detections if d["category_id"] in known]  # classes the set does not have
     if not detections:
-        return dict.fromkeys(STAT_NAMES, 0.0)
+        return None
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
     with quiet:
-        coco_dt = coco_gt.loadRes(detections)
-        evaluator = COCOeval(coco_gt, coco_dt, "bbox")
+        evaluator = COCOeval(coco_gt, coco_gt.loadRes(detections), "bbox")
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
-    return dict(zip(STAT_NAMES, (float(s) for s in evaluator.stats), strict=True))
+    return evaluator
+
+
+def summary(evaluator, coco_gt) -> dict:
+    """The 12 numbers, and per category what pycocotools' first six are for that category alone
+    (its slice of the accumulated precision: categories are evaluated independently)."""
+    if evaluator is None:
+        return {**dict.fromkeys(STAT_NAMES, 0.0), "per_class": {}}
+    stats = dict(zip(STAT_NAMES, (float(s) for s in evaluator.stats), strict=True))
+    precision, params = evaluator.eval["precision"], evaluator.params  # (IoU, recall, category, area, max dets)
+    per_class = {}
+    for k, category in enumerate(params.catIds):
+        slices = {
+            "AP": precision[:, :, k, 0, -1],
+            "AP50": precision[params.iouThrs == 0.5, :, k, 0, -1],
+            "AP75": precision[params.iouThrs == 0.75, :, k, 0, -1],
+            "APs": precision[:, :, k, 1, -1],
+            "APm": precision[:, :, k, 2, -1],
+            "APl": precision[:, :, k, 3, -1],
+        }
+        values = {name: float(np.mean(p[p > -1])) if (p > -1).any() else -1.0 for name, p in slices.items()}
+        values["gt"] = len(coco_gt.getAnnIds(catIds=[category], iscrowd=False))
+        per_class[coco_gt.cats[category]["name"]] = values
+    return {**stats, "per_class": per_class}
+
+
+def precision_at_50(evaluator, coco_gt) -> dict:
+    """{category name: precision at pycocotools' 101 recall points, IoU 0.5, 100 detections}."""
+    if evaluator is None:
+        return {}
+    precision, params = evaluator.eval["precision"], evaluator.params
+    at_50 = precision[params.iouThrs == 0.5][0]
+    return {coco_gt.cats[c]["name"]: at_50[:, k, 0, -1] for k, c in enumerate(params.catIds)}
+
+
+def per_class_table(stats: dict) -> str:
+    """The per-category numbers as a text table."""
+    rows = [f"{'category':<20} {'gt':>6} {'AP':>6} {'AP50':>6} {'AP75':>6} {'APs':>6} {'APm':>6} {'APl':>6}"]
+    for name, v in stats["per_class"].items():
+        rows.append(f"{name:<20} {v['gt']:>6} " + " ".join(f"{v[k]:>6.3f}" for k in PER_CLASS_NAMES))
+    return "\n".join(rows)

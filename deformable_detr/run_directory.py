@@ -3,7 +3,8 @@
 config.yaml             the resolved config
 log.jsonl               a JSON record per step, per epoch and per evaluation
 checkpoint.safetensors  the model, optimizer state and progress (`weights.save_checkpoint`)
-eval_results.json, predictions.png, curves.png   at the end
+checkpoint_best.safetensors   the same, as it was after the evaluation of highest AP
+eval_results.json, predictions.png, curves.png, pr_curves.png   at the end
 """
 
 import dataclasses
@@ -15,7 +16,7 @@ import yaml
 from tqdm import tqdm
 
 from .config import Config, config_to_dict
-from .visualize import draw_detections, grid, plot_curves
+from .visualize import draw_detections, grid, plot_curves, pr_curves
 from .weights import save_checkpoint
 
 
@@ -25,6 +26,7 @@ class RunDirectory:
     def __init__(self, path, cfg: Config, class_names: dict, is_main: bool = True):
         self.path, self.cfg, self.class_names, self.is_main = Path(path), cfg, class_names, is_main
         self.checkpoint = self.path / "checkpoint.safetensors"
+        self.best_checkpoint = self.path / "checkpoint_best.safetensors"
         self.log_path = self.path / "log.jsonl"
         self._log = None
         if is_main:
@@ -62,21 +64,24 @@ class RunDirectory:
         if self.log_path.is_file() and self.log_path.stat().st_size >= logged:
             os.truncate(self.log_path, logged)
 
-    def save(self, trainer, progress):
-        """The checkpoint, with `progress` (a dataclass) and the log's length (for `resume`)."""
+    def save(self, trainer, progress, best: bool = False):
+        """The checkpoint (`best`: the best one), with `progress` (a dataclass) and the log's length
+        (for `resume`)."""
         if not self.is_main:
             return
         logged = os.fstat(self._log.fileno()).st_size if self._log is not None else None
         metadata = {**dataclasses.asdict(progress), "log_bytes": logged}
-        save_checkpoint(self.checkpoint, trainer.model, trainer.optimizer, self.cfg, metadata, self.class_names)
+        path = self.best_checkpoint if best else self.checkpoint
+        save_checkpoint(path, trainer.model, trainer.optimizer, self.cfg, metadata, self.class_names)
 
     def write_results(self, stats: dict):
         if self.is_main:
             (self.path / "eval_results.json").write_text(json.dumps(stats, indent=2))
 
-    def write_pictures(self, model, val, count: int = 6, threshold: float = 0.3):
+    def write_pictures(self, model, val, pr: dict, count: int = 6, threshold: float = 0.3):
         """predictions.png: the first val images with what the model finds (scores >= threshold);
-        curves.png: the training loss and val AP per epoch, from the log."""
+        curves.png: the training loss and val AP per epoch, from the log; pr_curves.png: precision
+        against recall per category (`pr`, `Evaluation.curves`)."""
         if not self.is_main:
             return
         from .predict import detect
@@ -90,6 +95,7 @@ class RunDirectory:
             drawn.append(draw_detections(image, detections, val.class_names(), threshold))
         model.train(training)
         grid(drawn).save(self.path / "predictions.png")
+        pr_curves(pr, self.path / "pr_curves.png")
         records = [json.loads(line) for line in self.log_path.read_text().splitlines()]
         plot_curves(
             {

@@ -39,6 +39,7 @@ class Progress:
     global_step: int = 0
     loss_sums: dict = field(default_factory=dict)  # over this epoch's steps, for its mean
     seconds: float = 0.0  # this epoch's, in steps
+    best_ap: float = -1.0  # the highest val AP so far (checkpoint_best.safetensors)
 
     @classmethod
     def from_checkpoint(cls, progress: dict) -> "Progress":
@@ -95,24 +96,30 @@ class StopSignals:
 
 def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=None) -> dict | None:
     """Train from `progress` to the end of the schedule; evaluate on `val` (the main process's val
-    split, or None) every `train.eval_every` epochs and at the end. -> the last evaluation's stats."""
+    split, or None) every `train.eval_every` epochs, keeping the best as checkpoint_best, and at the
+    end. -> the last evaluation's stats."""
     cfg = trainer.cfg
     if loader.batches_per_epoch() == 0:
         raise ValueError(
             f"the train split has {len(loader.dataset)} images: fewer than schedule.batch_size ({loader.batch_size})"
         )
-    stats = None
+    last = None  # evaluation
     with StopSignals() as signals, stopping_cleanly(trainer, run, progress):
         while progress.epoch < cfg.schedule.epochs and progress.global_step < (cfg.train.max_steps or math.inf):
             train_one_epoch(trainer, loader, run, progress, signals)
-            if progress.step == loader.batches_per_epoch():
-                stats = end_epoch(trainer, run, progress, val) or stats
+            evaluated = end_epoch(trainer, run, progress, val) if progress.step == loader.batches_per_epoch() else None
+            best = evaluated is not None and evaluated.stats["AP"] > progress.best_ap
+            if best:
+                progress.best_ap = evaluated.stats["AP"]
             run.save(trainer, progress)
+            if best:
+                run.save(trainer, progress, best=True)
+            last = evaluated or last
         if val is not None:
-            stats = stats or evaluate(trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers)[0]
-            run.write_results(stats)
-            run.write_pictures(trainer.model, val)
-    return stats
+            last = last or evaluate(trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers)
+            run.write_results(last.stats)
+            run.write_pictures(trainer.model, val, last.curves)
+    return last.stats if last is not None else None
 
 
 def train_one_epoch(trainer: Trainer, loader, run: RunDirectory, progress: Progress, signals: StopSignals):
@@ -174,11 +181,13 @@ def train_step(trainer: Trainer, micro_batches: list, run: RunDirectory, progres
     }
 
 
-def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val) -> dict | None:
-    """After the epoch's last step: its evaluation (when due), then its records; the next epoch."""
-    cfg, stats = trainer.cfg, None
+def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val):
+    """After the epoch's last step: its evaluation (when due), then its records; the next epoch.
+    -> the evaluation, or None."""
+    cfg, evaluation = trainer.cfg, None
     if val is not None and (progress.epoch + 1) % cfg.train.eval_every == 0:
-        stats, _ = evaluate(trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers)
+        evaluation = evaluate(trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers)
+        stats = evaluation.stats
         run.print(f"epoch {progress.epoch}: AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}")
     means = {k: v / max(progress.step, 1) for k, v in progress.loss_sums.items()}
     run.log(
@@ -190,10 +199,10 @@ def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val) -> d
             **means,
         }
     )
-    if stats is not None:
-        run.log({"epoch": progress.epoch, "eval": stats})
+    if evaluation is not None:
+        run.log({"epoch": progress.epoch, "eval": evaluation.stats})
     progress.next_epoch()
-    return stats
+    return evaluation
 
 
 @contextlib.contextmanager

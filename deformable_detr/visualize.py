@@ -73,3 +73,33 @@ def plot_curves(series: dict, path, title: str = "", size=(720, 300)):
         pen.text((left, bottom + 6), f"{x_lo:g}", fill="black")
         pen.text((right - 30, bottom + 6), f"{x_hi:g}", fill="black")
     canvas.save(path)
+
+
+def pr_curves(curves: dict, path, columns: int = 5, size=(240, 200)):
+    """A panel per category: precision against recall at IoU 0.5 (pycocotools' 101 recall points;
+    where precision is undefined, -1, nothing is drawn), its AP50 in the title."""
+    names = list(curves)
+    rows = max((len(names) + columns - 1) // columns, 1)
+    width, height = size
+    canvas = Image.new("RGB", (columns * width, rows * height), "white")
+    pen = ImageDraw.Draw(canvas)
+    recall = np.linspace(0, 1, 101)
+    for i, name in enumerate(names):
+        precision = np.asarray(curves[name], float)
+        x0, y0 = (i % columns) * width, (i // columns) * height
+        left, top, right, bottom = x0 + 30, y0 + 22, x0 + width - 10, y0 + height - 22
+        pen.rectangle([left, top, right, bottom], outline="black")
+        defined = precision > -1
+        ap50 = f"{precision[defined].mean():.3f}" if defined.any() else "no boxes"
+        pen.text((left, y0 + 6), f"{name}: AP50 {ap50}", fill="black")
+        points = [
+            (left + r * (right - left), bottom - p * (bottom - top))
+            for r, p in zip(recall[defined], precision[defined], strict=True)
+        ]
+        if len(points) > 1:
+            pen.line(points, fill=PALETTE[i % len(PALETTE)], width=2)
+        pen.text((x0 + 4, top - 4), "1", fill="black")
+        pen.text((x0 + 4, bottom - 8), "0", fill="black")
+        pen.text((left, bottom + 4), "recall 0", fill="black")
+        pen.text((right - 12, bottom + 4), "1", fill="black")
+    canvas.save(path)

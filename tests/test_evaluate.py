@@ -11,7 +11,7 @@ from test_train import TINY
 import eval as eval_script
 import train
 from deformable_detr.data.shapes import generate
-from deformable_detr.evaluation import STAT_NAMES, coco_stats
+from deformable_detr.evaluation import PER_CLASS_NAMES, STAT_NAMES, coco_stats
 from deformable_detr.predict import main as predict_main
 
 
@@ -53,7 +53,7 @@ def test_eval_equals_pycocotools_on_the_detections_it_wrote(trained, tmp_path):
         ]
     )
     written = json.loads((tmp_path / "eval_results.json").read_text())
-    assert written == stats and list(written) == STAT_NAMES
+    assert written == stats and list(written) == [*STAT_NAMES, "per_class"]
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO(str(root / "annotations" / "instances_val2017.json"))
         evaluator = COCOeval(gt, gt.loadRes(str(tmp_path / "detections_val.json")), "bbox")
@@ -111,9 +111,54 @@ def test_predict_draws_and_names_bad_images(trained, tmp_path, capsys):
 def test_training_writes_eval_results_and_pictures(trained):
     _, output = trained
     stats = json.loads((output / "eval_results.json").read_text())
-    assert list(stats) == STAT_NAMES
-    for picture in ("predictions.png", "curves.png"):
+    assert list(stats) == [*STAT_NAMES, "per_class"]
+    for picture in ("predictions.png", "curves.png", "pr_curves.png"):
         assert (output / picture).stat().st_size > 1000
+
+
+def test_per_class_ap_is_pycocotools_on_that_category_alone(trained, tmp_path):
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    root, output = trained
+    argv = ["--config", str(TINY), "--checkpoint", str(output / "checkpoint.safetensors"), "--coco-path", str(root)]
+    stats = eval_script.main([*argv, "--output-dir", str(tmp_path), "model.num_queries=20"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(root / "annotations" / "instances_val2017.json"))
+        detections = gt.loadRes(str(tmp_path / "detections_val.json"))
+    assert sorted(stats["per_class"]) == sorted(c["name"] for c in gt.cats.values())
+    for category in gt.getCatIds():
+        with contextlib.redirect_stdout(io.StringIO()):
+            alone = COCOeval(gt, detections, "bbox")
+            alone.params.catIds = [category]
+            alone.evaluate()
+            alone.accumulate()
+            alone.summarize()
+        got = stats["per_class"][gt.cats[category]["name"]]
+        np.testing.assert_allclose([got[k] for k in PER_CLASS_NAMES], alone.stats[:6], rtol=0, atol=1e-12)
+        assert got["gt"] == len(gt.getAnnIds(catIds=[category], iscrowd=False)) > 0
+    assert any(v["AP"] > 0 for v in stats["per_class"].values())
+
+
+def test_the_best_checkpoint_is_the_evaluation_of_highest_ap(trained, tmp_path):
+    """Its AP, evaluated again from the file, is the highest of the epochs' evaluations."""
+    from deformable_detr.weights import read_weights
+
+    root, output = trained
+    records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
+    aps = [r["eval"]["AP"] for r in records if "eval" in r]
+    best = read_weights(output / "checkpoint_best.safetensors").progress
+    assert len(aps) == 3 and best["best_ap"] == max(aps) and best["epoch"] == aps.index(max(aps)) + 1
+    argv = [
+        "--config",
+        str(TINY),
+        "--checkpoint",
+        str(output / "checkpoint_best.safetensors"),
+        "--coco-path",
+        str(root),
+    ]
+    again = eval_script.main([*argv, "--output-dir", str(tmp_path), "model.num_queries=20"])
+    assert again["AP"] == pytest.approx(max(aps), abs=1e-12)
 
 
 @pytest.mark.parametrize("command", [["-m", "deformable_detr.predict"], ["eval.py"], ["train.py"]])
