@@ -27,6 +27,9 @@ def parse_args(argv=None):
     parser.add_argument("--coco-path", help="overrides data.coco_path")
     parser.add_argument("--batch-size", type=int, help="default: schedule.micro_batch_size (2 where it is auto)")
     parser.add_argument("--output-dir", type=Path)
+    parser.add_argument(
+        "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value, as for train.py")
     return parser.parse_args(argv)
 
@@ -46,7 +49,7 @@ def name_mismatches(recorded: dict, dataset) -> list[str]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides + ([f"data.coco_path={args.coco_path}"] if args.coco_path else []))
-    model, recorded_names = load_trained_model(args.checkpoint, cfg)
+    model, recorded_names = load_trained_model(args.checkpoint, cfg, raw=args.raw_weights)
     dataset = build_dataset("val", cfg.data)
     for message in name_mismatches(recorded_names, dataset):
         print(f"warning: {message}", file=sys.stderr)

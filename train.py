@@ -60,14 +60,15 @@ def main(argv=None):
     trainer = Trainer.from_config(model, cfg, group)
     progress = Progress()
     if args.resume:
-        resumed = load_checkpoint(args.resume, model, trainer.optimizer)
+        resumed = load_checkpoint(args.resume, trainer)
         run.resume(args.resume, resumed)
         progress = Progress.from_checkpoint(resumed)
         run.print(f"resumed from {args.resume}: epoch {progress.epoch}, step {progress.step}")
     val = build_dataset("val", cfg.data) if run.is_main and (cfg.train.eval_every or args.eval_only) else None
     if args.eval_only:
         if val is not None:
-            stats = evaluate(model, val, evaluation_batch_size(cfg), cfg.data.num_workers).stats
+            with trainer.evaluation_weights():
+                stats = evaluate(model, val, evaluation_batch_size(cfg), cfg.data.num_workers).stats
             run.write_results(stats)
             run.print(per_class_table(stats))
             run.print(json.dumps({k: v for k, v in stats.items() if k != "per_class"}, indent=2))

@@ -97,6 +97,11 @@ class TrainConfig:
     eval_every: int = 1  # epochs between evaluations (0: never)
     activation_checkpointing: bool = False  # recompute backbone stages 2-4 and every transformer layer in the backward
     memory_limit_gb: float = 0.0  # refuse to start when a step would need more (0: 80% of the machine's memory)
+    # bfloat16: convolutions, linears and the attention's values computed in bfloat16, the weights,
+    # AdamW, losses, matching, softmax and normalisations in float32
+    precision: str = field(default="float32", metadata={"choices": ("float32", "bfloat16")})
+    ema_decay: float = field(default=0.0, metadata={"range": (0.0, 1.0)})  # an EMA of the weights (0: none)
+    ema_warmup: int = 2000  # steps over which the EMA's decay rises to ema_decay
 
 
 @dataclass
@@ -164,7 +169,8 @@ def _merge(target, data: dict, source: str, prefix: str):
         else:
             default = names[key].default
             expected = current if default is dataclasses.MISSING else default  # a current `auto` is no type
-            setattr(target, key, _coerce(value, expected, f"{source}: {prefix}{key}", names[key].metadata.get("auto")))
+            where, allowed = f"{source}: {prefix}{key}", names[key].metadata
+            setattr(target, key, _allowed(_coerce(value, expected, where, allowed.get("auto")), allowed, where))
 
 
 def unknown_key(key: str, names, prefix: str) -> str:
@@ -194,6 +200,16 @@ def _coerce(value, current, where, auto=False):
             pass
     if not isinstance(value, type(current)):
         raise UsageError(f"{where} must be {kind}, got {value!r}")
+    return value
+
+
+def _allowed(value, allowed: dict, where: str):
+    """A field's `choices` or half-open `range` [low, high), from its metadata."""
+    if "choices" in allowed and value not in allowed["choices"]:
+        raise UsageError(f"{where} must be one of {', '.join(allowed['choices'])}, got {value!r}")
+    if "range" in allowed and not allowed["range"][0] <= value < allowed["range"][1]:
+        low, high = allowed["range"]
+        raise UsageError(f"{where} must be at least {low} and below {high}, got {value!r}")
     return value
 
 

@@ -1,13 +1,15 @@
 """The trainer: what trains at which learning rate, one optimisation step, and the first step's
 check that every `sampling_offsets` layer learns. The loop around it is `training.py`."""
 
+import contextlib
 import math
 import re
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .cli import CommandError, UsageError
 from .config import Config
@@ -106,6 +108,42 @@ def seed_step(seed: int, global_step: int):
     mx.random.seed((seed * 1_000_003 + global_step) % 2**32)
 
 
+class EMA:
+    """An exponential moving average of the model's weights, kept in float32: after each optimizer
+    step w_ema <- d w_ema + (1 - d) w for every trained weight, with d = decay (1 - exp(-updates /
+    warmup)) rising from 0 to `decay` (the warm-up of RT-DETR's and Ultralytics' ModelEMA); frozen
+    weights are the model's own."""
+
+    def __init__(self, model, decay: float, warmup: int):
+        self.decay, self.warmup = decay, warmup
+        self.start(model)
+
+    def start(self, model, weights: dict | None = None, updates: int = 0):
+        """From the model's weights, or from `weights` after `updates` (a resumed run)."""
+        self.weights = weights or {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
+        self.updates = updates
+
+    def update(self, model):
+        """The next average, lazily (evaluated with the step)."""
+        self.updates += 1
+        d = self.decay * (1 - math.exp(-self.updates / max(self.warmup, 1)))
+        trained = dict(tree_flatten(model.trainable_parameters()))
+        for key, value in tree_flatten(model.parameters()):
+            average = self.weights[key]
+            self.weights[key] = d * average + (1 - d) * value.astype(mx.float32) if key in trained else value
+
+    @contextmanager
+    def swapped_in(self, model):
+        """The model holds the average inside the block (evaluations), its own weights after."""
+        own = model.parameters()
+        dtypes = {k: v.dtype for k, v in tree_flatten(own)}
+        model.update(tree_unflatten([(k, v.astype(dtypes[k])) for k, v in self.weights.items()]))
+        try:
+            yield
+        finally:
+            model.update(own)
+
+
 class Trainer:
     """One optimisation step: forward, matched losses, backward, (all-reduce), clip, AdamW.
     `mx.eval` once per step, and nothing evaluates before it: the Hungarian matching and the CPU
@@ -118,6 +156,8 @@ class Trainer:
 
     def __init__(self, model, criterion, optimizer, cfg: Config, group=None):
         self.model, self.criterion, self.optimizer, self.cfg = model, criterion, optimizer, cfg
+        t = cfg.train
+        self.ema = EMA(model, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
         self.group = group
         self.world_size = group.size() if group is not None else 1
         self.loss_and_grad = nn.value_and_grad(model, self._loss)
@@ -133,6 +173,10 @@ class Trainer:
         mx.eval(model.parameters())  # materialise the initial weights once, before any step reseeds MLX's generator
         parallel = group is not None and group.size() > 1
         return cls(model, build_criterion(cfg), build_optimizer(cfg), cfg, group if parallel else None)
+
+    def evaluation_weights(self):
+        """A context in which the model holds the weights to evaluate: the EMA where there is one."""
+        return self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
 
     def _loss(self, images, mask, targets, num_boxes):
         losses = self.criterion(self.model(images, mask), targets, num_boxes)
@@ -173,9 +217,12 @@ class Trainer:
         max_norm = self.cfg.optimizer.clip_max_norm
         clipped, grad_norm = optim.clip_grad_norm(grads, max_norm if max_norm > 0 else math.inf)
         self.optimizer.update(self.model, clipped)
+        if self.ema is not None:
+            self.ema.update(self.model)
         first_norms = sampling_offsets_grad_norms(grads) if self.steps == 0 else {}
         del grads, clipped  # held by the graph alone, MLX frees each as soon as the update has used it
-        mx.eval(self.model.parameters(), self.optimizer.state, total, losses, grad_norm, first_norms)
+        ema = self.ema.weights if self.ema is not None else {}
+        mx.eval(self.model.parameters(), self.optimizer.state, ema, total, losses, grad_norm, first_norms)
         self.steps += 1
         if self.steps == 1:
             self.sampling_offsets_grad_norms = {k: v.item() for k, v in first_norms.items()}

@@ -39,10 +39,10 @@ AUTHORS_ARGS = (
 )
 
 
-def read_port_weights(path: Path) -> tuple[dict, dict | None]:
-    """-> (this port's weights as numpy arrays, the model config dict of a training checkpoint or
-    None)."""
-    weights = read_weights(path)
+def read_port_weights(path: Path, raw: bool = False) -> tuple[dict, dict | None]:
+    """-> (this port's weights as numpy arrays: their EMA where the file has one, unless `raw`; the
+    model config dict of a training checkpoint or None)."""
+    weights = read_weights(path, raw)
     if "class_embed.0.weight" not in weights.tensors or "transformer.level_embed" not in weights.tensors:
         raise ConversionError(
             f"{path}: not Deformable DETR weights (no class_embed.0.weight / transformer.level_embed)"
@@ -76,7 +76,7 @@ def authors_args(config: dict | None) -> argparse.Namespace:
     return argparse.Namespace(**{name: config[name] for name in AUTHORS_ARGS if config and name in config})
 
 
-def export_torch(src: Path, dst: Path, config_path: Path | None = None) -> str:
+def export_torch(src: Path, dst: Path, config_path: Path | None = None, raw: bool = False) -> str:
     """Write `dst` from `src`; return a one-line summary."""
     try:
         import torch
@@ -84,7 +84,7 @@ def export_torch(src: Path, dst: Path, config_path: Path | None = None) -> str:
         raise ConversionError(
             "exporting to PyTorch needs PyTorch; install it with pip install -e '.[convert]'"
         ) from None
-    weights, config = read_port_weights(src)
+    weights, config = read_port_weights(src, raw)
     if config_path is not None:
         from .config import config_to_dict, load_config
 
@@ -107,8 +107,11 @@ def main(argv=None):
     parser.add_argument("src", type=Path, help="converted weights or a training checkpoint (.safetensors)")
     parser.add_argument("dst", type=Path, help="the .pth file to write")
     parser.add_argument("--config", type=Path, help="the model's config, for args the weights cannot show")
+    parser.add_argument(
+        "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
+    )
     args = parser.parse_args(argv)
-    print(export_torch(args.src, args.dst, args.config))
+    print(export_torch(args.src, args.dst, args.config, args.raw_weights))
 
 
 if __name__ == "__main__":

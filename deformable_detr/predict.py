@@ -61,11 +61,14 @@ def main(argv=None):
     parser.add_argument("--threshold", type=float, default=0.5, help="draw detections scoring at least this")
     parser.add_argument("--output-dir", type=Path, default=Path("predictions"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument(
+        "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
+    )
     parser.add_argument("images", nargs="+", type=Path)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
     images = [open_image(path) for path in args.images]  # every path checked before any work
-    model, recorded_names = load_trained_model(args.checkpoint, cfg)
+    model, recorded_names = load_trained_model(args.checkpoint, cfg, raw=args.raw_weights)
     names = class_names(recorded_names, cfg.data)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for path, image in zip(args.images, images, strict=True):

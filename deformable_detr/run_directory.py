@@ -72,7 +72,7 @@ class RunDirectory:
         logged = os.fstat(self._log.fileno()).st_size if self._log is not None else None
         metadata = {**dataclasses.asdict(progress), "log_bytes": logged}
         path = self.best_checkpoint if best else self.checkpoint
-        save_checkpoint(path, trainer.model, trainer.optimizer, self.cfg, metadata, self.class_names)
+        save_checkpoint(path, trainer.model, trainer.optimizer, self.cfg, metadata, self.class_names, trainer.ema)
 
     def write_results(self, stats: dict):
         if self.is_main:

@@ -70,9 +70,9 @@ def open_safetensors(path) -> tuple[dict, dict]:
 
 @dataclass
 class WeightsFile:
-    """What a weights file holds: the model's tensors by parameter name, the category names
-    ({id: name}, {} when not recorded) and, in a training checkpoint, the optimizer state, progress
-    and config."""
+    """What a weights file holds: the model's tensors by parameter name (the EMA of the weights where
+    the file has one, unless read `raw`), the category names ({id: name}, {} when not recorded) and,
+    in a training checkpoint, the optimizer state, progress, config, and the EMA with its updates."""
 
     path: Path
     tensors: dict
@@ -80,9 +80,11 @@ class WeightsFile:
     optimizer_state: dict | None = None
     progress: dict | None = None
     config: dict | None = None
+    ema: dict | None = None
+    ema_updates: int = 0
 
 
-def read_weights(path) -> WeightsFile:
+def read_weights(path, raw: bool = False) -> WeightsFile:
     arrays, metadata = open_safetensors(path)
     try:
         names = {int(k): str(v) for k, v in json.loads(metadata.get(CLASS_NAMES_KEY, "{}")).items()}
@@ -90,10 +92,16 @@ def read_weights(path) -> WeightsFile:
         raise ValueError(f"{path}: unreadable {CLASS_NAMES_KEY} metadata") from None
     if "progress" not in metadata:  # converted weights: the model's tensors alone
         return WeightsFile(Path(path), arrays, names)
-    tensors = {k[len("model.") :]: v for k, v in arrays.items() if k.startswith("model.")}
-    state = tree_unflatten([(k[len("optimizer.") :], v) for k, v in arrays.items() if k.startswith("optimizer.")])
+
+    def part(prefix):
+        return {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+    ema = part("ema.") or None
+    tensors = part("model.") if raw or ema is None else ema
     config = json.loads(metadata["config"]) if "config" in metadata else None
-    return WeightsFile(Path(path), tensors, names, state, json.loads(metadata["progress"]), config)
+    updates = json.loads(metadata.get("ema", "{}")).get("updates", 0)
+    state = tree_unflatten(list(part("optimizer.").items()))
+    return WeightsFile(Path(path), tensors, names, state, json.loads(metadata["progress"]), config, ema, updates)
 
 
 def class_names_metadata(names: dict) -> dict:
@@ -112,9 +120,9 @@ def save_weights(path, tensors: dict, class_names: dict | None = None):
 # come from (seed, epoch, index), so a resumed run draws what the uninterrupted one would.
 
 
-def save_checkpoint(path, model, optimizer, cfg: Config, progress: dict, class_names: dict):
+def save_checkpoint(path, model, optimizer, cfg: Config, progress: dict, class_names: dict, ema=None):
     """`progress` (JSON-able: epoch, step, global_step, ...) and `class_names` (the training set's
-    {id: name}, for prediction and fine-tuning) travel with the weights."""
+    {id: name}, for prediction and fine-tuning) travel with the weights, and the `ema` (engine.EMA)."""
     arrays = {f"model.{k}": v for k, v in tree_flatten(model.parameters())}
     arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
     metadata = {
@@ -122,19 +130,27 @@ def save_checkpoint(path, model, optimizer, cfg: Config, progress: dict, class_n
         "config": json.dumps(config_to_dict(cfg)),
         **class_names_metadata(class_names),
     }
+    if ema is not None:
+        arrays.update({f"ema.{k}": v for k, v in ema.weights.items()})
+        metadata["ema"] = json.dumps({"updates": ema.updates, "decay": ema.decay})
     write_safetensors(path, arrays, metadata)
 
 
-def load_checkpoint(path, model, optimizer) -> dict:
-    """Restore the model and optimizer of a training checkpoint; return its progress."""
-    weights = read_weights(path)
+def load_checkpoint(path, trainer) -> dict:
+    """Restore the model, optimizer and EMA of `trainer` from a training checkpoint; return its
+    progress."""
+    weights = read_weights(path, raw=True)
     if weights.progress is None:
         raise ValueError(
             f"{path}: not a training checkpoint (no progress metadata); to start from weights, use --weights"
         )
-    check_keys(model, weights.tensors, path, strict=True)
-    model.load_weights(list(weights.tensors.items()))
-    optimizer.state = weights.optimizer_state
+    check_keys(trainer.model, weights.tensors, path, strict=True)
+    trainer.model.load_weights(list(weights.tensors.items()))
+    trainer.optimizer.state = weights.optimizer_state
+    if trainer.ema is not None:  # the file's, or one starting here
+        if weights.ema is not None:
+            check_keys(trainer.model, weights.ema, path, strict=True)
+        trainer.ema.start(trainer.model, weights.ema and dict(weights.ema), weights.ema_updates)
     return weights.progress
 
 
@@ -161,13 +177,13 @@ def check_keys(model, weights: dict, path, strict: bool, any_class_count: bool =
         raise ValueError(f"{path}: missing key {missing[0]}; is it the checkpoint of this config's model?")
 
 
-def load_trained_model(path, cfg: Config):
-    """The model of `cfg` with every weight of `path` (converted weights or a training checkpoint), in
-    evaluation mode; `model.num_classes: auto` takes the class count from the weights. -> (model,
-    the category names the file records)."""
+def load_trained_model(path, cfg: Config, raw: bool = False):
+    """The model of `cfg` with every weight of `path` (converted weights or a training checkpoint: its
+    EMA where it has one, unless `raw`), in evaluation mode; `model.num_classes: auto` takes the class
+    count from the weights. -> (model, the category names the file records)."""
     from .model import build_model
 
-    weights = read_weights(path)
+    weights = read_weights(path, raw)
     if cfg.model.num_classes == "auto":
         if "class_embed.0.bias" not in weights.tensors:
             raise ValueError(f"{path}: no class_embed.0.bias, so model.num_classes cannot be read from it; set it")

@@ -55,6 +55,18 @@ def cases(data, tmp):
             2,
             "schedule.micro_batch_size (8) is above each process's share of schedule.batch_size (4 / 1 process",
         ),
+        "train unknown precision": (
+            TRAIN,
+            [*config, data_path, "train.precision=float16"],
+            2,
+            "override: train.precision must be one of float32, bfloat16, got 'float16'",
+        ),
+        "train EMA decay out of range": (
+            TRAIN,
+            [*config, data_path, "train.ema_decay=1"],
+            2,
+            "override: train.ema_decay must be at least 0.0 and below 1.0, got 1.0",
+        ),
         "train bad argument": (TRAIN, [*config, "--eval-only=yes"], 2, "--eval-only: ignored explicit argument"),
         "eval unknown key": (EVAL, [*config, *weights, "schedule.batchsize=4"], 2, unknown),
         "eval wrong type": (EVAL, [*config, *weights, "schedule.batch_size=abc"], 2, wrong_type),
