@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .precision import to
 from .recompute import checkpointed
 
 # name -> (block, blocks per stage)
@@ -35,8 +36,8 @@ class FrozenBatchNorm2d(nn.Module):
         self.freeze()
 
     def __call__(self, x):
-        scale = self.weight * mx.rsqrt(self.running_var + self.eps)
-        return x * scale + (self.bias - self.running_mean * scale)
+        scale = self.weight * mx.rsqrt(self.running_var + self.eps)  # in float32 (precision.py)
+        return x * to(scale, x.dtype) + to(self.bias - self.running_mean * scale, x.dtype)
 
 
 class Conv2d(nn.Conv2d):

@@ -9,6 +9,7 @@ import mlx.nn as nn
 
 from .ms_deform_attn import MSDeformAttn
 from .position_encoding import sine_embedding
+from .precision import LayerNorm, to, widened
 from .recompute import Dropout, checkpointed
 
 
@@ -41,7 +42,7 @@ class MultiheadAttention(nn.Module):
             return x.reshape(b, -1, self.n_heads, head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = heads(q), heads(k), heads(v)
-        weights = mx.softmax((q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2), axis=-1)
+        weights = mx.softmax((q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2), axis=-1, precise=True)
         out = (weights @ v).transpose(0, 2, 1, 3).reshape(b, q_len, d)
         return self.out_proj(out)
 
@@ -50,10 +51,10 @@ class DeformableTransformerEncoderLayer(nn.Module):
     def __init__(self, d_model=256, d_ffn=1024, dropout=0.1, n_levels=4, n_heads=8, n_points=4):
         super().__init__()
         self.self_attn = MSDeformAttn(d_model, n_levels, n_heads, n_points)
-        self.norm1 = nn.LayerNorm(d_model)
+        self.norm1 = LayerNorm(d_model)
         self.linear1 = nn.Linear(d_model, d_ffn)
         self.linear2 = nn.Linear(d_ffn, d_model)
-        self.norm2 = nn.LayerNorm(d_model)
+        self.norm2 = LayerNorm(d_model)
         self.dropout = Dropout(dropout)
 
     def __call__(self, src, pos, reference_points, spatial_shapes, padding_mask):
@@ -101,12 +102,12 @@ class DeformableTransformerDecoderLayer(nn.Module):
     def __init__(self, d_model=256, d_ffn=1024, dropout=0.1, n_levels=4, n_heads=8, n_points=4):
         super().__init__()
         self.cross_attn = MSDeformAttn(d_model, n_levels, n_heads, n_points)
-        self.norm1 = nn.LayerNorm(d_model)
+        self.norm1 = LayerNorm(d_model)
         self.self_attn = MultiheadAttention(d_model, n_heads)
-        self.norm2 = nn.LayerNorm(d_model)
+        self.norm2 = LayerNorm(d_model)
         self.linear1 = nn.Linear(d_model, d_ffn)
         self.linear2 = nn.Linear(d_ffn, d_model)
-        self.norm3 = nn.LayerNorm(d_model)
+        self.norm3 = LayerNorm(d_model)
         self.dropout = Dropout(dropout)
 
     def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask):
@@ -180,9 +181,9 @@ class DeformableTransformer(nn.Module):
         self.level_embed = mx.random.normal((num_feature_levels, d_model))
         if two_stage:
             self.enc_output = nn.Linear(d_model, d_model)
-            self.enc_output_norm = nn.LayerNorm(d_model)
+            self.enc_output_norm = LayerNorm(d_model)
             self.pos_trans = nn.Linear(d_model * 2, d_model * 2)
-            self.pos_trans_norm = nn.LayerNorm(d_model * 2)
+            self.pos_trans_norm = LayerNorm(d_model * 2)
         else:
             self.reference_points = nn.Linear(d_model, 2)
         self._reset_parameters()
@@ -268,12 +269,13 @@ class DeformableTransformer(nn.Module):
             top = mx.argsort(-enc_class[..., 0], axis=1)[:, : self.two_stage_num_proposals]
             top_coords = mx.stop_gradient(mx.take_along_axis(enc_coord, top[..., None], axis=1))
             reference_points = mx.sigmoid(top_coords)
-            query_pos, tgt = mx.split(self.pos_trans_norm(self.pos_trans(self.proposal_pos_embed(top_coords))), 2, -1)
+            embedded = to(self.proposal_pos_embed(top_coords), memory.dtype)
+            query_pos, tgt = mx.split(self.pos_trans_norm(self.pos_trans(embedded)), 2, -1)
         else:
             query_pos, tgt = mx.split(query_embed, 2, -1)
             query_pos = mx.broadcast_to(query_pos[None], (b, *query_pos.shape))
             tgt = mx.broadcast_to(tgt[None], (b, *tgt.shape))
-            reference_points = mx.sigmoid(self.reference_points(query_pos))
+            reference_points = widened(mx.sigmoid(self.reference_points(query_pos)))
 
         hs, references = self.decoder(
             tgt, reference_points, memory, spatial_shapes, valid_ratios, query_pos, mask_flatten, refine_heads

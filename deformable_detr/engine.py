@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from .cli import CommandError, UsageError
 from .config import Config
 from .criterion import build_criterion
+from .precision import DTYPES, computing_in, to, widened
 
 
 class GradientCheckError(CommandError):
@@ -179,7 +180,11 @@ class Trainer:
         return self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
 
     def _loss(self, images, mask, targets, num_boxes):
-        losses = self.criterion(self.model(images, mask), targets, num_boxes)
+        dtype = DTYPES[self.cfg.train.precision]
+        with computing_in(self.model, dtype):
+            outputs = self.model(to(images, dtype), mask)
+        outputs = tree_map(widened, outputs)  # the matching and the losses in float32
+        losses = self.criterion(outputs, targets, num_boxes)
         return self.criterion.total(losses), losses
 
     def num_boxes(self, targets) -> float:

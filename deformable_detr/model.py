@@ -11,6 +11,7 @@ from .box_ops import box_cxcywh_to_xyxy
 from .config import Config
 from .deformable_transformer import DeformableTransformer, inverse_sigmoid
 from .position_encoding import PositionEmbeddingSine
+from .precision import GroupNorm, to
 
 
 class MLP(nn.Module):
@@ -71,12 +72,12 @@ class DeformableDETR(nn.Module):
 
         in_channels = backbone.num_channels
         self.input_proj = [
-            [nn.Conv2d(c, hidden_dim, 1), nn.GroupNorm(32, hidden_dim, pytorch_compatible=True)] for c in in_channels
+            [nn.Conv2d(c, hidden_dim, 1), GroupNorm(32, hidden_dim, pytorch_compatible=True)] for c in in_channels
         ]
         extra_in = in_channels[-1]
         for _ in range(num_feature_levels - len(in_channels)):  # extra levels: 3x3 stride-2 convolutions
             self.input_proj.append(
-                [Conv2d(extra_in, hidden_dim, 3, 2, 1), nn.GroupNorm(32, hidden_dim, pytorch_compatible=True)]
+                [Conv2d(extra_in, hidden_dim, 3, 2, 1), GroupNorm(32, hidden_dim, pytorch_compatible=True)]
             )
             extra_in = hidden_dim
         self._reset_parameters()
@@ -114,7 +115,7 @@ class DeformableDETR(nn.Module):
         for level in range(len(features), self.num_feature_levels):
             srcs.append(_sequential(self.input_proj[level], features[-1][0] if level == len(features) else srcs[-1]))
             masks.append(resize_mask(mask, srcs[-1].shape[1], srcs[-1].shape[2]))
-        pos = [self.position_embedding(m) for m in masks]
+        pos = [to(self.position_embedding(m), src.dtype) for m, src in zip(masks, srcs, strict=True)]
 
         num_layers = len(self.transformer.decoder.layers)
         hs, init_reference, references, enc_class, enc_coord = self.transformer(

@@ -9,6 +9,8 @@ import mlx.nn as nn
 
 import kernels
 
+from .precision import to, widened
+
 
 class MSDeformAttn(nn.Module):
     """Each query attends to `n_points` sampled points per head and level around its reference point.
@@ -56,9 +58,10 @@ class MSDeformAttn(nn.Module):
         if padding_mask is not None:
             value = mx.where(padding_mask[..., None], 0.0, value)
         value = value.reshape(b, length, heads, self.d_model // heads)
-        offsets = self.sampling_offsets(query).reshape(b, q, heads, levels, points, 2)
+        # the sampling locations in float32 (bfloat16 would round them to 1/256 of a level's side)
+        offsets = widened(self.sampling_offsets(query)).reshape(b, q, heads, levels, points, 2)
         weights = self.attention_weights(query).reshape(b, q, heads, levels * points)
-        weights = mx.softmax(weights, axis=-1).reshape(b, q, heads, levels, points)
+        weights = mx.softmax(weights, axis=-1, precise=True).reshape(b, q, heads, levels, points)
         if reference_points.shape[-1] == 2:
             normalizer = mx.array([[w, h] for h, w in spatial_shapes], dtype=offsets.dtype)  # (levels, 2)
             locations = reference_points[:, :, None, :, None, :] + offsets / normalizer[:, None, :]
@@ -70,5 +73,5 @@ class MSDeformAttn(nn.Module):
                 f"MSDeformAttn: reference_points has shape {tuple(reference_points.shape)}; "
                 f"expected (B, Q, {levels}, 2) or (B, Q, {levels}, 4)"
             )
-        out = kernels.ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights)
-        return self.output_proj(out)
+        out = kernels.ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights)  # in float32
+        return self.output_proj(to(out, value.dtype))

@@ -1,0 +1,69 @@
+"""Mixed precision (`train.precision: bfloat16`): the weights stay float32 (so do AdamW's moments); in
+the forward, every weight but the normalisations' is used as a bfloat16 copy (`computing_in`), so
+convolutions, linears and the attention's values compute in bfloat16, while the normalisations
+(`LayerNorm`, `GroupNorm`, frozen batch norm), the softmaxes, the sampling locations and the
+attention core's accumulation compute in float32; the outputs go to the losses and the matching in
+float32. The gradients reach the float32 weights through the copies. In float32 every cast here is
+skipped: the model is exactly the one without it."""
+
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+
+
+def to(x: mx.array, dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def widened(x: mx.array) -> mx.array:
+    """`x` in float32 where it is a 16-bit float; as it is otherwise (float32, float64)."""
+    return x.astype(mx.float32) if x.dtype in (mx.bfloat16, mx.float16) else x
+
+
+class LayerNorm(nn.LayerNorm):
+    """In float32 (or float64) whatever the input's dtype; the result in the input's."""
+
+    def __call__(self, x):
+        return to(super().__call__(widened(x)), x.dtype)
+
+
+class GroupNorm(nn.GroupNorm):
+    """In float32 (or float64) whatever the input's dtype; the result in the input's."""
+
+    def __call__(self, x):
+        return to(super().__call__(widened(x)), x.dtype)
+
+
+def _kept_in_float32(module) -> bool:
+    from .backbone import FrozenBatchNorm2d
+
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, FrozenBatchNorm2d))
+
+
+@contextmanager
+def computing_in(model: nn.Module, dtype):
+    """Inside, the model's weights (but the normalisations') are `dtype` copies of its own, which it
+    holds again after. Used inside the differentiated loss, the copies pass the gradients on."""
+    if dtype == mx.float32:
+        yield
+        return
+    own = model.parameters()
+    kept = {
+        f"{name}.{key}" if name else key
+        for name, module in model.named_modules()
+        if _kept_in_float32(module)
+        for key, _ in tree_flatten(module.parameters())
+    }
+    cast = [
+        (k, v if k in kept or not mx.issubdtype(v.dtype, mx.floating) else v.astype(dtype))
+        for k, v in tree_flatten(own)
+    ]
+    model.update(tree_unflatten(cast))
+    try:
+        yield
+    finally:
+        model.update(own)
