@@ -21,7 +21,7 @@ from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import DataLoader, build_dataset, num_classes_for
 from deformable_detr.engine import Trainer, process_share
 from deformable_detr.evaluation import evaluate, evaluation_batch_size, per_class_table
-from deformable_detr.memory import GIB, budget_bytes, check_memory
+from deformable_detr.memory import check_memory
 from deformable_detr.run_directory import RunDirectory
 from deformable_detr.training import Progress, fit
 from deformable_detr.weights import load_checkpoint, load_for_finetuning, load_model_weights
@@ -75,12 +75,8 @@ def main(argv=None):
         return
 
     model.train()
-    micro, estimate = check_memory(trainer, train_set, cfg, share, log=run.print)
-    run.print(
-        f"memory: a step of the largest micro-batch needs about {estimate.describe()}; budget "
-        f"{budget_bytes(cfg.train) / GIB:.1f} GiB; {cfg.schedule.batch_size} images a step: "
-        f"{group.size()} process(es) x {share // micro} micro-batch(es) of {micro}"
-    )
+    micro, _ = check_memory(trainer, train_set, cfg, share, log=run.print)
+    run.print(f"{cfg.schedule.batch_size} images a step: {group.size()} process(es) x {share // micro} of {micro}")
     loader = DataLoader(
         train_set,
         cfg.schedule.batch_size,

@@ -144,6 +144,8 @@ def check_memory(trainer, train_dataset, cfg, share: int, log=None) -> tuple[int
         estimate = estimate_step_memory(trainer, micro, height, width, num_classes)
     estimate.peak_bytes += _accumulator(trainer, share // micro)
     budget = budget_bytes(cfg.train)
+    if log is not None:
+        log(f"memory: a step of the largest micro-batch needs {estimate.describe()} (budget {budget / GIB:.1f} GiB)")
     if estimate.peak_bytes > budget:
         source = "train.memory_limit_gb" if cfg.train.memory_limit_gb > 0 else "80% of this machine's memory"
         raise MemoryBudgetError(

@@ -65,14 +65,14 @@ class RunDirectory:
             os.truncate(self.log_path, logged)
 
     def save(self, trainer, progress, best: bool = False):
-        """The checkpoint (`best`: the best one), with `progress` (a dataclass) and the log's length
-        (for `resume`)."""
+        """The checkpoint (`best`: and the best one, the same), with `progress` (a dataclass) and the
+        log's length (for `resume`)."""
         if not self.is_main:
             return
         logged = os.fstat(self._log.fileno()).st_size if self._log is not None else None
         metadata = {**dataclasses.asdict(progress), "log_bytes": logged}
-        path = self.best_checkpoint if best else self.checkpoint
-        save_checkpoint(path, trainer.model, trainer.optimizer, self.cfg, metadata, self.class_names, trainer.ema)
+        for path in (self.checkpoint, self.best_checkpoint) if best else (self.checkpoint,):
+            save_checkpoint(path, trainer.model, trainer.optimizer, self.cfg, metadata, self.class_names, trainer.ema)
 
     def write_results(self, stats: dict):
         if self.is_main:

@@ -107,13 +107,10 @@ def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=Non
     with StopSignals() as signals, stopping_cleanly(trainer, run, progress):
         while progress.epoch < cfg.schedule.epochs and progress.global_step < (cfg.train.max_steps or math.inf):
             train_one_epoch(trainer, loader, run, progress, signals)
-            evaluated = end_epoch(trainer, run, progress, val) if progress.step == loader.batches_per_epoch() else None
-            best = evaluated is not None and evaluated.stats["AP"] > progress.best_ap
-            if best:
-                progress.best_ap = evaluated.stats["AP"]
-            run.save(trainer, progress)
-            if best:
-                run.save(trainer, progress, best=True)
+            evaluated, best = (
+                end_epoch(trainer, run, progress, val) if progress.step == loader.batches_per_epoch() else (None, False)
+            )
+            run.save(trainer, progress, best)
             last = evaluated or last
         if val is not None:
             with trainer.evaluation_weights():
@@ -184,7 +181,7 @@ def train_step(trainer: Trainer, micro_batches: list, run: RunDirectory, progres
 
 def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val):
     """After the epoch's last step: its evaluation (when due), then its records; the next epoch.
-    -> the evaluation, or None."""
+    -> (the evaluation or None, whether its AP is the highest so far)."""
     cfg, evaluation = trainer.cfg, None
     if val is not None and (progress.epoch + 1) % cfg.train.eval_every == 0:
         with trainer.evaluation_weights():
@@ -201,10 +198,12 @@ def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val):
             **means,
         }
     )
+    best = evaluation is not None and evaluation.stats["AP"] > progress.best_ap
     if evaluation is not None:
         run.log({"epoch": progress.epoch, "eval": evaluation.stats})
+        progress.best_ap = max(progress.best_ap, evaluation.stats["AP"])
     progress.next_epoch()
-    return evaluation
+    return evaluation, best
 
 
 @contextlib.contextmanager

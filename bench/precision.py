@@ -1,0 +1,103 @@
+"""An R50 training step in float32 and in bfloat16 (`train.precision`) on this machine: time and
+peak memory, each precision in its own process.
+
+    python bench/precision.py [--size 800x1066] [--repeats 1] [--output bench/results/precision_cpu.txt]
+
+`configs/r50.yaml` (its activation checkpointing on), one micro-batch of 2 synthetic images of
+`--size` with three boxes each, random weights (seeded: the same for both, and the same dropout
+masks); the median of `--repeats` steps after a warm-up
+step. Memory: MLX's peak (`mx.get_peak_memory`, arrays only) and the process's peak RSS. The
+measured processes start as `train.py` does (MKL preloaded, `runtime.runtime_environment`).
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+from deformable_detr.cli import ArgumentParser, entry_point
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import image_sizes, median_time  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(precision: str, size: tuple[int, int], repeats: int) -> dict:
+    import mlx.core as mx
+    import numpy as np
+
+    from deformable_detr import build_model, load_config
+    from deformable_detr.engine import Trainer, seed_step
+
+    cfg = load_config(ROOT / "configs" / "r50.yaml", [f"train.precision={precision}"])
+    mx.random.seed(0)  # the same weights, and dropout masks, for both precisions
+    trainer = Trainer.from_config(build_model(cfg), cfg)
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((2, *size, 3)).astype(np.float32)
+    mask = np.zeros((2, *size), bool)
+    boxes = np.array([[0.3, 0.3, 0.2, 0.2], [0.7, 0.6, 0.3, 0.2], [0.5, 0.5, 0.6, 0.5]], np.float32)
+    targets = [{"labels": np.array([1, 17, 62]), "boxes": boxes} for _ in range(2)]
+    losses = []
+
+    def step():
+        seed_step(cfg.seed, 0)
+        losses.append(trainer.step([(images, mask, targets)])[0]["loss"])
+
+    seconds = median_time(step, repeats)
+    return {
+        "seconds": seconds,
+        "mlx_peak_mib": mx.get_peak_memory() / 2**20,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "first_loss": losses[0],
+        "mlx": mx.__version__,
+    }
+
+
+@entry_point(runtime=False)
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=image_sizes, default="800x1066", help="HxW of the images")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "precision_cpu.txt")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    size = args.size[0]
+    if args.measure:
+        print(json.dumps(measure(args.measure, size, args.repeats)))
+        return
+
+    from deformable_detr.runtime import runtime_environment
+
+    results = {}
+    for precision in ("float32", "bfloat16"):
+        command = [sys.executable, __file__, "--measure", precision, "--size", f"{size[0]}x{size[1]}"]
+        command += ["--repeats", str(args.repeats)]
+        done = subprocess.run(command, env=runtime_environment(), capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"error: the {precision} step failed:\n{done.stderr[-3000:]}")
+        results[precision] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(precision, results[precision], flush=True)
+    base = results["float32"]
+    lines = [
+        f"R50 training step (configs/r50.yaml, activation checkpointing on), micro-batch 2 x {size[0]} x {size[1]}, "
+        f"median of {args.repeats} after a warm-up; mlx {base['mlx']}, CPU with MKL",
+        "",
+        "| precision | step (s) | time vs float32 | MLX peak MiB | peak RSS MiB | first-step loss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for precision, r in results.items():
+        lines.append(
+            f"| {precision} | {r['seconds']:.2f} | {r['seconds'] / base['seconds']:.2f} | {r['mlx_peak_mib']:.0f} "
+            f"| {r['peak_rss_mib']:.0f} | {r['first_loss']:.4f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
