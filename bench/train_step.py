@@ -4,8 +4,8 @@
 
 Each side runs in its own process (a BLAS can only be chosen when a process starts): one with
 DEFORMABLE_DETR_MKL=0 and no LD_PRELOAD, one with MKL's runtime preloaded. Synthetic images
-(batch of the config's batch_size, size x size), two boxes each; median of --steps steps after
-one warm-up."""
+(a micro-batch of the config's micro_batch_size, 2 where it is auto; size x size), two boxes
+each; median of --steps steps after one warm-up."""
 
 import argparse
 import json
@@ -33,7 +33,8 @@ def measure(config: str, steps: int, size: int) -> dict:
     model = build_model(cfg)
     trainer = Trainer.from_config(model, cfg)
     rng = np.random.default_rng(0)
-    batch = cfg.schedule.batch_size
+    micro = cfg.schedule.micro_batch_size
+    batch = 2 if micro == "auto" else micro
     images = rng.standard_normal((batch, size, size, 3)).astype(np.float32)
     mask = np.zeros((batch, size, size), bool)
     targets = [
