@@ -47,14 +47,19 @@ def test_a_few_epochs_lower_the_loss(shapes, tmp_path):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-def test_resume_is_bit_for_bit(shapes, tmp_path):
+@pytest.mark.parametrize(
+    "split, stopped_at",
+    [((), (0, 5, 5)), (("schedule.batch_size=4", "schedule.micro_batch_size=2"), (1, 1, 5))],
+    ids=["batch of 2", "2 micro-batches of 2"],
+)
+def test_resume_is_bit_for_bit(shapes, tmp_path, split, stopped_at):
     """5 steps, stop (mid-epoch), resume for 4 more == 9 steps uninterrupted (model and optimizer
-    state); dropout on, so the random draws must line up too."""
-    stopped = run(shapes, tmp_path / "a", "train.max_steps=5")
+    state); dropout on, so the random draws must line up too; with gradients accumulated too."""
+    stopped = run(shapes, tmp_path / "a", "train.max_steps=5", *split)
     progress = json.loads(mx.load(str(stopped), return_metadata=True)[1]["progress"])
-    assert (progress["epoch"], progress["step"], progress["global_step"]) == (0, 5, 5)
-    resumed = run(shapes, tmp_path / "b", "train.max_steps=9", resume=stopped)
-    straight = run(shapes, tmp_path / "c", "train.max_steps=9")
+    assert (progress["epoch"], progress["step"], progress["global_step"]) == stopped_at
+    resumed = run(shapes, tmp_path / "b", "train.max_steps=9", *split, resume=stopped)
+    straight = run(shapes, tmp_path / "c", "train.max_steps=9", *split)
     got, want = weights(resumed), weights(straight)
     assert got.keys() == want.keys()
     for key in want:
