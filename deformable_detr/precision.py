@@ -3,8 +3,8 @@ the forward, every weight but the normalisations' is used as a bfloat16 copy (`c
 convolutions, linears and the attention's values compute in bfloat16, while the normalisations
 (`LayerNorm`, `GroupNorm`, frozen batch norm), the softmaxes, the sampling locations and the
 attention core's accumulation compute in float32; the outputs go to the losses and the matching in
-float32. The gradients reach the float32 weights through the copies. In float32 every cast here is
-skipped: the model is exactly the one without it."""
+float32. The gradients reach the float32 weights through the copies. Evaluation and prediction run
+in float32. In float32 every cast here is skipped: the model is exactly the one without it."""
 
 from contextlib import contextmanager
 
