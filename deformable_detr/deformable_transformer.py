@@ -209,10 +209,11 @@ class DeformableTransformer(nn.Module):
         valid_w = (~mask[:, 0, :]).sum(1).astype(mx.float32)
         return mx.stack([valid_w, valid_h], -1)
 
-    def valid_ratios(self, mask):
+    @staticmethod
+    def valid_ratios(mask):
         """(B, h, w) padding mask -> (B, 2): unpadded fraction of width and height."""
         _, h, w = mask.shape
-        return self.valid_extent(mask) / mx.array([w, h], dtype=mx.float32)
+        return DeformableTransformer.valid_extent(mask) / mx.array([w, h], dtype=mx.float32)
 
     def encoder_proposals(self, memory, padding_mask, spatial_shapes):
         """Two-stage: one proposal box per encoder token (its pixel, a level-sized square), in logit

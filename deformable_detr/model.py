@@ -150,7 +150,8 @@ class DeformableDETR(nn.Module):
 
 def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
     """Top-k (query, class) pairs by sigmoid score per image, boxes as x0, y0, x1, y1 in pixels of
-    each image's `target_sizes` (B, 2) = (height, width). Returns [{"scores", "labels", "boxes"}]."""
+    each image's `target_sizes` (B, 2) = (height, width). Returns [{"scores", "labels", "boxes",
+    "queries"}], `queries` the decoder query of each detection."""
     logits, boxes = outputs["pred_logits"], outputs["pred_boxes"]
     b, _, num_classes = logits.shape
     target_sizes = mx.array(target_sizes, dtype=mx.float32)
@@ -160,10 +161,14 @@ def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
     top = mx.argsort(-prob, axis=1)[:, :top_k]
     scores = mx.take_along_axis(prob, top, axis=1)
     labels = (top % num_classes).astype(mx.int32)
-    boxes = mx.take_along_axis(box_cxcywh_to_xyxy(boxes), (top // num_classes)[..., None], axis=1)
+    queries = (top // num_classes).astype(mx.int32)
+    boxes = mx.take_along_axis(box_cxcywh_to_xyxy(boxes), queries[..., None], axis=1)
     h, w = target_sizes[:, 0], target_sizes[:, 1]
     boxes = boxes * mx.stack([w, h, w, h], -1)[:, None, :]
-    return [{"scores": s, "labels": c, "boxes": x} for s, c, x in zip(scores, labels, boxes, strict=True)]
+    return [
+        {"scores": s, "labels": c, "boxes": x, "queries": q}
+        for s, c, x, q in zip(scores, labels, boxes, queries, strict=True)
+    ]
 
 
 def build_model(cfg: Config) -> DeformableDETR:

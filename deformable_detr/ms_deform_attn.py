@@ -16,7 +16,10 @@ class MSDeformAttn(nn.Module):
     """Each query attends to `n_points` sampled points per head and level around its reference point.
 
     Parameter names and initialisation follow the authors' `models/ops/modules/ms_deform_attn.py`.
+    A `recorder` (attention_points.recording) is handed each call's sampling locations and weights.
     """
+
+    recorder = None
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4):
         super().__init__()
@@ -73,5 +76,7 @@ class MSDeformAttn(nn.Module):
                 f"MSDeformAttn: reference_points has shape {tuple(reference_points.shape)}; "
                 f"expected (B, Q, {levels}, 2) or (B, Q, {levels}, 4)"
             )
+        if self.recorder is not None:
+            self.recorder(locations, weights, reference_points, spatial_shapes, padding_mask)
         out = kernels.ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights)  # in float32
         return self.output_proj(to(out, value.dtype))

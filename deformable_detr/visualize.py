@@ -103,3 +103,35 @@ def pr_curves(curves: dict, path, columns: int = 5, size=(240, 200)):
         pen.text((left, bottom + 4), "recall 0", fill="black")
         pen.text((right - 12, bottom + 4), "1", fill="black")
     canvas.save(path)
+
+
+LEVEL_COLOURS = [(255, 48, 48), (255, 196, 0), (0, 200, 255), (190, 80, 255), (80, 220, 80), (255, 120, 200)]
+
+
+def draw_sampling_points(image, points, weights, reference, box=None, title: str = "", longer_side: int = 640):
+    """One query's sampling points (heads, levels, points, 2) x, y in the image's pixels on a faded copy
+    of `image` (scaled so its longer side is `longer_side`): coloured by feature level, each dot's
+    area proportional to its attention weight, the reference point a white cross, `box` its box."""
+    scale = longer_side / max(image.size)
+    faded = Image.blend(image.convert("L").convert("RGB"), Image.new("RGB", image.size, "white"), 0.35)
+    canvas = faded.resize((round(image.width * scale), round(image.height * scale)), Image.BILINEAR).convert("RGBA")
+    overlay = Image.new("RGBA", canvas.size, (0, 0, 0, 0))
+    pen = ImageDraw.Draw(overlay)
+    if box is not None:
+        pen.rectangle([float(v) * scale for v in box], outline=(20, 20, 20, 255), width=2)
+    points, weights = np.asarray(points) * scale, np.asarray(weights)
+    levels = np.broadcast_to(np.arange(points.shape[1])[None, :, None], weights.shape)
+    for i in np.argsort(weights, axis=None):  # the heaviest drawn last, on top
+        (x, y), weight, level = points.reshape(-1, 2)[i], weights.reshape(-1)[i], levels.reshape(-1)[i]
+        radius = 1.5 + 9 * float(np.sqrt(weight))
+        pen.ellipse([x - radius, y - radius, x + radius, y + radius], fill=(*LEVEL_COLOURS[level % 6], 190))
+    x, y = (float(v) * scale for v in reference)
+    for width, colour in ((5, (0, 0, 0, 255)), (2, (255, 255, 255, 255))):
+        pen.line([x - 8, y, x + 8, y], fill=colour, width=width)
+        pen.line([x, y - 8, x, y + 8], fill=colour, width=width)
+    pen.text((4, 3), title, fill="black", stroke_width=2, stroke_fill="white")
+    for level in range(points.shape[1]):  # the legend: a dot of each level's colour
+        y = 20 + 14 * level
+        pen.ellipse([5, y, 15, y + 10], fill=(*LEVEL_COLOURS[level % 6], 255))
+        pen.text((20, y - 1), f"level {level}", fill="black", stroke_width=2, stroke_fill="white")
+    return Image.alpha_composite(canvas, overlay).convert("RGB")

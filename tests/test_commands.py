@@ -101,6 +101,44 @@ def cases(data, tmp):
             2,
             "--threshold: invalid",
         ),
+        "predict folder with no images": (
+            PREDICT,
+            [*config, *weights, str(tmp / "empty")],
+            2,
+            "empty: a folder with no",
+        ),
+        "predict no file matches": (PREDICT, [*config, *weights, str(tmp / "*.jpeg")], 2, "*.jpeg: no file matches"),
+        "predict unreadable image": (
+            PREDICT,
+            [*config, *weights, str(image), str(tmp / "broken.png")],
+            1,
+            f"{tmp / 'broken.png'}: cannot read it as an image",
+        ),
+        "predict unreadable video": (
+            PREDICT,
+            [*config, *weights, str(tmp / "broken.mp4")],
+            1,
+            f"{tmp / 'broken.mp4'}: cannot read it as a video",
+        ),
+        "predict attention layer out of range": (
+            PREDICT,
+            [*config, *weights, "--attention", "--attention-layer", "2", str(image)],
+            2,
+            "--attention-layer 2: the model has 2 decoder layers (0 to 1)",
+        ),
+        "predict encoder pixel outside the image": (
+            PREDICT,
+            [*config, *weights, "--encoder-pixel", "64,10", str(image)],
+            2,
+            f"--encoder-pixel 64,10 is outside {image} (64 x 64 pixels)",
+        ),
+        "predict encoder pixel not a pixel": (
+            PREDICT,
+            [*config, *weights, "--encoder-pixel", "middle", str(image)],
+            2,
+            "--encoder-pixel: 'middle': expected X,Y",
+        ),
+        "predict batch size": (PREDICT, [*config, *weights, "--batch-size", "0", str(image)], 2, "--batch-size 0"),
         "convert missing weights": (
             CONVERT,
             [str(tmp / "none.pth"), str(tmp / "out.safetensors")],
@@ -139,6 +177,9 @@ def results(tmp_path_factory):
     """Every case run once, a few at a time (each is mostly a Python start and an import)."""
     tmp = tmp_path_factory.mktemp("commands")
     data = generate(tmp / "data", 2, 1, seed=1, height=(64, 64), width=(64, 64), max_size=40)
+    (tmp / "empty").mkdir()
+    (tmp / "broken.png").write_bytes(b"not an image")
+    (tmp / "broken.mp4").write_bytes(b"not a video")
     (tmp / "broken.yaml").write_text("model:\n  backbone: resnet18\n hidden_dim: 64\n")  # line 3 is off
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "DEFORMABLE_DETR_MKL": "0"}
     environment.pop("DEFORMABLE_DETR_TRACEBACK", None)
