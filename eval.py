@@ -16,14 +16,17 @@ from deformable_detr import load_config
 from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import build_dataset
 from deformable_detr.evaluation import evaluate, evaluation_batch_size, per_class_table
+from deformable_detr.hub import is_hub, parse
 from deformable_detr.visualize import pr_curves
-from deformable_detr.weights import load_trained_model
+from deformable_detr.weights import config_from_weights, load_trained_model
 
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument(
+        "--config", help="default: the config the weights record (a checkpoint's, or converted weights')"
+    )
+    parser.add_argument("--checkpoint", required=True, help="a weights file, or hf://ORG/NAME[@REVISION] on the Hub")
     parser.add_argument("--coco-path", help="overrides data.coco_path")
     parser.add_argument("--batch-size", type=int, help="default: schedule.micro_batch_size (2 where it is auto)")
     parser.add_argument("--output-dir", type=Path)
@@ -45,10 +48,16 @@ def name_mismatches(recorded: dict, dataset) -> list[str]:
     ]
 
 
+def default_output_dir(checkpoint: str) -> Path:
+    """Beside the checkpoint; for weights from the Hub, output/ORG--NAME."""
+    return Path("output") / parse(checkpoint)[0].replace("/", "--") if is_hub(checkpoint) else Path(checkpoint).parent
+
+
 @entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides + ([f"data.coco_path={args.coco_path}"] if args.coco_path else []))
+    overrides = args.overrides + ([f"data.coco_path={args.coco_path}"] if args.coco_path else [])
+    cfg = load_config(args.config, overrides) if args.config else config_from_weights(args.checkpoint, overrides)
     model, recorded_names = load_trained_model(args.checkpoint, cfg, raw=args.raw_weights)
     dataset = build_dataset("val", cfg.data)
     for message in name_mismatches(recorded_names, dataset):
@@ -56,7 +65,7 @@ def main(argv=None) -> dict:
     batch_size = args.batch_size or evaluation_batch_size(cfg)
     evaluation = evaluate(model, dataset, batch_size, cfg.data.num_workers, verbose=True)
     print(per_class_table(evaluation.stats))
-    output_dir = args.output_dir or args.checkpoint.parent
+    output_dir = args.output_dir or default_output_dir(args.checkpoint)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "detections_val.json").write_text(json.dumps(evaluation.detections))
     (output_dir / "eval_results.json").write_text(json.dumps(evaluation.stats, indent=2))

@@ -116,10 +116,13 @@ class Config:
     seed: int = 42
 
 
-def load_config(path=None, overrides=()) -> Config:
-    """Defaults, then the YAML file at `path` (if any), then `section.key=value` overrides. Anything
-    wrong in them is a UsageError naming the file (and line) or override, the key and the value."""
+def load_config(path=None, overrides=(), base: dict | None = None, base_source: str = "") -> Config:
+    """Defaults, then `base` (a config as a dict, e.g. a checkpoint's, named `base_source`), then the
+    YAML file at `path` (if any), then `section.key=value` overrides. Anything wrong in them is a
+    UsageError naming the file (and line) or override, the key and the value."""
     cfg = Config()
+    if base is not None:
+        _merge(cfg, base, base_source, "")
     if path is not None:
         _merge(cfg, _read_yaml(Path(path)), str(path), "")
     for override in overrides:

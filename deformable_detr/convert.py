@@ -6,7 +6,8 @@ SRC is one of
 - the authors' checkpoint (`.pth`: a dict with `model`, as released, usually also `args`,
   `optimizer`, `epoch`; or a bare state_dict);
 - Hugging Face `DeformableDetrForObjectDetection` weights (`model.safetensors` or
-  `pytorch_model.bin`, or the folder holding one);
+  `pytorch_model.bin`, or the folder holding one, of any transformers release), or
+  `hf://ORG/NAME[@REVISION]` on the Hub;
 - with `--backbone-only`, torchvision ResNet ImageNet weights (`resnet50-*.pth`), written as a
   backbone-only file that training starts from.
 
@@ -17,6 +18,7 @@ torch is needed only for `.pth` / `.bin` input (`pip install -e ".[convert]"`).
 """
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -24,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from .cli import ArgumentParser, entry_point
-from .weights import open_safetensors, save_weights
+from .hub import is_hub, snapshot
+from .weights import CONFIG_FILE_KEY, MODEL_OPTIONS_KEY, open_safetensors, save_weights
 
 
 class ConversionError(ValueError):
@@ -114,6 +117,7 @@ def detect_variant(state: dict) -> dict:
         "dec_layers": count("transformer.decoder.layers.", 3),
     }
     shapes = {
+        "backbone_width": ("backbone.0.body.conv1.weight", 0),
         "hidden_dim": ("transformer.level_embed", 1),
         "dim_feedforward": ("transformer.encoder.layers.0.linear1.weight", 0),
         "num_classes": ("class_embed.0.weight", 0),
@@ -328,9 +332,8 @@ def main(argv=None):
     parser = ArgumentParser(prog="python -m deformable_detr.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "src",
-        type=Path,
-        help="the authors' .pth, Hugging Face weights (file or folder), or "
-        "torchvision ResNet weights with --backbone-only",
+        help="the authors' .pth, Hugging Face weights (file or folder, or hf://ORG/NAME[@REVISION] on the Hub), "
+        "or torchvision ResNet weights with --backbone-only",
     )
     parser.add_argument("dst", type=Path, help="the .safetensors file to write")
     parser.add_argument("--backbone-only", action="store_true", help="convert torchvision ResNet ImageNet weights")
@@ -340,25 +343,25 @@ def main(argv=None):
         help="the checkpoint is DC5 (not visible in its keys when the checkpoint has no args)",
     )
     args = parser.parse_args(argv)
-    weights, _, message = convert(args.src, backbone_only=args.backbone_only, dilation=args.dilation)
-    names = coco_names_for(weights)
-    save_weights(args.dst, weights, names)
+    src = snapshot(args.src) if is_hub(args.src) else Path(args.src)
+    weights, options, message = convert(src, backbone_only=args.backbone_only, dilation=args.dilation, source=args.src)
+    names, where = save_converted(args.dst, weights, options, src)
     print(message)
     if names:
-        print(f"category names: the {len(names)} COCO categories at their ids (recorded in the file)")
+        print(f"category names: {where} (recorded in the file)")
     print(f"wrote {len(weights)} tensors to {args.dst}")
 
 
-def convert(src: Path, backbone_only: bool = False, dilation: bool = False) -> tuple[dict, dict, str]:
-    """Read, map and check a checkpoint. Returns the weights (for `model.load_weights`), the model
-    options they need (`overrides(options)` for `load_config`) and a message naming the variant and
-    the config to use."""
+def convert(src: Path, backbone_only: bool = False, dilation: bool = False, source=None) -> tuple[dict, dict, str]:
+    """Read, map and check a checkpoint (`source`: its name in messages, default `src`). Returns the
+    weights (for `model.load_weights`), the model options they need (`overrides(options)` for
+    `load_config`) and a message naming the variant and the config to use."""
     from .backbone import Backbone
     from .config import CONFIGS_DIR, load_config
     from .model import build_model
 
     state, ckpt_args = read_checkpoint(src)
-    source = str(src)
+    source = str(source or src)
     if backbone_only:
         state = torchvision_resnet_to_backbone(state, source)
         name = detect_variant(state)["backbone"]
@@ -368,8 +371,8 @@ def convert(src: Path, backbone_only: bool = False, dilation: bool = False) -> t
         expected = {f"backbone.0.body.{k}": v for k, v in expected_shapes(body.body).items()}
         return sanitize(state, expected, source), {"backbone": name}, f"backbone: {name} (backbone-only weights)"
     if is_huggingface(state):
-        state = huggingface_to_authors(state, source)
-        ckpt_args = _huggingface_config(Path(src))
+        ckpt_args = huggingface_config(Path(src))
+        state = untie_heads(huggingface_to_authors(state, source), ckpt_args)
     options = model_options(state, ckpt_args)
     options["dilation"] = options.get("dilation", False) or dilation
     model = build_model(load_config(None, overrides(options)))
@@ -391,21 +394,59 @@ def overrides(options: dict) -> list[str]:
     return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()]
 
 
-def _huggingface_config(src: Path) -> dict:
+def huggingface_config(src: Path) -> dict:
     """The config.json beside Hugging Face weights, if any."""
-    import json
-
     path = (src if src.is_dir() else src.parent) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        raise ConversionError(f"{path}: not valid JSON") from None
 
 
-def coco_names_for(weights: dict) -> dict:
-    """The COCO category names when the weights have COCO's 91 class outputs (the authors' released
-    checkpoints and Hugging Face's), else {}."""
+def untie_heads(state: dict, config: dict) -> dict:
+    """The heads a transformers release tied and so wrote once, written out for every prediction as
+    the authors' state_dict has them. transformers 5 ties every `class_embed.N` to `class_embed.0`
+    when the model has box refinement but not two stages (earlier releases kept them apart and wrote
+    them all), and with box refinement keeps `bbox_embed.N` only as the decoder's copy."""
+    layers = config.get("decoder_layers")
+    if not layers or not config.get("with_box_refine"):
+        return state  # without refinement the authors' heads are one, shared (sanitize keeps one)
+    predictions = layers + 1 if config.get("two_stage") else layers
+    state = dict(state)
+    for head in ("class_embed", "bbox_embed"):
+        parts = [k.split(".", 2)[2] for k in state if k.startswith(f"{head}.0.")]
+        for i in range(1, predictions):
+            for part in parts:
+                key = f"{head}.{i}.{part}"
+                if key not in state and f"transformer.decoder.{key}" not in state:
+                    state[key] = state[f"{head}.0.{part}"]
+    return state
+
+
+def class_names_for(weights: dict, src) -> tuple[dict, str]:
+    """({category id: name}, where they come from): a Hugging Face config.json's `id2label` where it
+    names them (not transformers' placeholders LABEL_i, nor "N/A" for COCO's unused ids); else COCO's
+    when the weights have COCO's 91 class outputs (the authors' released checkpoints); else none."""
     from .data.coco import COCO_CATEGORY_NAMES
 
+    labels = huggingface_config(Path(src)).get("id2label", {}) if Path(src).exists() else {}
+    named = {int(i): str(n) for i, n in labels.items() if str(n) not in {f"LABEL_{i}", "N/A"}}
+    if named:
+        return named, f"the {len(named)} of config.json's id2label"
     head = weights.get("class_embed.0.bias")
-    return dict(COCO_CATEGORY_NAMES) if head is not None and head.shape[0] == 91 else {}
+    if head is not None and head.shape[0] == 91:
+        return dict(COCO_CATEGORY_NAMES), f"the {len(COCO_CATEGORY_NAMES)} COCO categories at their ids"
+    return {}, ""
+
+
+def save_converted(dst, weights: dict, options: dict, src) -> tuple[dict, str]:
+    """Converted weights with what they are: their category names and, for a whole model, its options
+    and the config it matches (so eval and predict need no --config). -> class_names_for's answer."""
+    names, where = class_names_for(weights, src)
+    model = "two_stage" in options  # not backbone-only weights
+    metadata = {MODEL_OPTIONS_KEY: json.dumps(options), CONFIG_FILE_KEY: config_for(options)} if model else {}
+    save_weights(dst, weights, names, metadata)
+    return names, where
 
 
 if __name__ == "__main__":

@@ -1,6 +1,12 @@
-"""Export this port's weights to the authors' PyTorch layout.
+"""Export this port's weights to the authors' PyTorch layout or to Hugging Face transformers'.
 
     python -m deformable_detr.export --to torch MODEL.safetensors OUT.pth [--config FILE]
+    python -m deformable_detr.export --to huggingface MODEL.safetensors DIR [--hf-backbone timm|transformers]
+
+`--to huggingface` writes DIR/config.json (the variant, `id2label` from the category names),
+preprocessor_config.json (the resize and normalisation) and model.safetensors in the layout of the
+Hub's SenseTime checkpoints, for `DeformableDetrForObjectDetection.from_pretrained(DIR)` and
+transformers' pipelines; checked, as below, to convert back unchanged.
 
 MODEL is converted weights (`deformable_detr.convert`) or a training checkpoint (`train.py`). OUT
 is `{"model": state_dict, "args": Namespace}` as the authors' `main.py` saves it: their key names,
@@ -12,6 +18,7 @@ and checks that every tensor comes back unchanged. Needs PyTorch (`pip install -
 """
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -100,18 +107,192 @@ def export_torch(src: Path, dst: Path, config_path: Path | None = None, raw: boo
     return f"wrote {len(state)} tensors ({len(weights)} distinct) in the authors' layout to {dst}"
 
 
+_TO_HUGGINGFACE = [  # the authors' keys -> Hugging Face's, as transformers writes them (the Hub's layout)
+    (r"^backbone\.0\.body\.", "model.backbone.conv_encoder.model."),
+    (r"^input_proj\.", "model.input_proj."),
+    (r"^query_embed\.", "model.query_position_embeddings."),
+    (r"^transformer\.level_embed$", "model.level_embed"),
+    (r"^transformer\.(reference_points|enc_output|enc_output_norm|pos_trans|pos_trans_norm)\.", r"model.\1."),
+    (r"^transformer\.decoder\.(bbox_embed|class_embed)\.", r"model.decoder.\1."),
+    (r"^transformer\.encoder\.layers\.(\d+)\.norm1\.", r"model.encoder.layers.\1.self_attn_layer_norm."),
+    (r"^transformer\.encoder\.layers\.(\d+)\.linear(\d)\.", r"model.encoder.layers.\1.fc\2."),
+    (r"^transformer\.encoder\.layers\.(\d+)\.norm2\.", r"model.encoder.layers.\1.final_layer_norm."),
+    (r"^transformer\.encoder\.layers\.(\d+)\.self_attn\.", r"model.encoder.layers.\1.self_attn."),
+    (r"^transformer\.decoder\.layers\.(\d+)\.self_attn\.out_proj\.", r"model.decoder.layers.\1.self_attn.out_proj."),
+    (r"^transformer\.decoder\.layers\.(\d+)\.norm2\.", r"model.decoder.layers.\1.self_attn_layer_norm."),
+    (r"^transformer\.decoder\.layers\.(\d+)\.cross_attn\.", r"model.decoder.layers.\1.encoder_attn."),
+    (r"^transformer\.decoder\.layers\.(\d+)\.norm1\.", r"model.decoder.layers.\1.encoder_attn_layer_norm."),
+    (r"^transformer\.decoder\.layers\.(\d+)\.linear(\d)\.", r"model.decoder.layers.\1.fc\2."),
+    (r"^transformer\.decoder\.layers\.(\d+)\.norm3\.", r"model.decoder.layers.\1.final_layer_norm."),
+]
+
+_TO_TRANSFORMERS_RESNET = [  # torchvision / timm ResNet names -> transformers' own ResNet's
+    (r"^conv1\.", "embedder.embedder.convolution."),
+    (r"^bn1\.", "embedder.embedder.normalization."),
+    (
+        r"^layer(\d)\.(\d+)\.downsample\.0\.",
+        lambda m: f"encoder.stages.{int(m[1]) - 1}.layers.{m[2]}.shortcut.convolution.",
+    ),
+    (
+        r"^layer(\d)\.(\d+)\.downsample\.1\.",
+        lambda m: f"encoder.stages.{int(m[1]) - 1}.layers.{m[2]}.shortcut.normalization.",
+    ),
+    (
+        r"^layer(\d)\.(\d+)\.conv(\d)\.",
+        lambda m: f"encoder.stages.{int(m[1]) - 1}.layers.{m[2]}.layer.{int(m[3]) - 1}.convolution.",
+    ),
+    (
+        r"^layer(\d)\.(\d+)\.bn(\d)\.",
+        lambda m: f"encoder.stages.{int(m[1]) - 1}.layers.{m[2]}.layer.{int(m[3]) - 1}.normalization.",
+    ),
+]
+
+RESNETS = {  # name -> (depths, block) of torchvision's ResNets
+    "resnet18": ([2, 2, 2, 2], "basic"),
+    "resnet34": ([3, 4, 6, 3], "basic"),
+    "resnet50": ([3, 4, 6, 3], "bottleneck"),
+    "resnet101": ([3, 4, 23, 3], "bottleneck"),
+}
+
+
+def to_huggingface(state: dict, backbone: str) -> dict:
+    """The authors' state_dict (numpy, tied keys restored) -> `DeformableDetrForObjectDetection`'s,
+    the ResNet under timm's names (torchvision's) or transformers' own ResNet's."""
+    from .convert import _rename
+
+    out = {}
+    for key, value in state.items():
+        layer = re.match(r"^transformer\.decoder\.layers\.(\d+)\.self_attn\.in_proj_(weight|bias)$", key)
+        if layer:
+            for name, part in zip("qkv", np.split(value, 3), strict=True):
+                out[f"model.decoder.layers.{layer[1]}.self_attn.{name}_proj.{layer[2]}"] = part
+            continue
+        body = re.match(r"^backbone\.0\.body\.(.*)$", key)
+        if body and backbone == "transformers":
+            out["model.backbone.conv_encoder.model." + _rename(body[1], _TO_TRANSFORMERS_RESNET)] = value
+            continue
+        renamed = _rename(key, _TO_HUGGINGFACE)
+        if renamed == key and not key.startswith(("class_embed.", "bbox_embed.")):
+            raise ConversionError(f"{key}: no Hugging Face name for it")
+        out[renamed] = value
+    return out
+
+
+def huggingface_config(model: dict, names: dict, backbone: str, data: dict) -> dict:
+    """config.json of `DeformableDetrForObjectDetection` for this port's ModelConfig (as a dict)."""
+    width, name = model.get("backbone_width", 64), model["backbone"]
+    if backbone == "timm" and width != 64:
+        raise ConversionError(
+            f"a {name} of width {width}: timm's {name} has width 64; export it with --hf-backbone transformers"
+        )
+    if backbone == "transformers" and model["dilation"]:
+        raise ConversionError("a DC5 backbone (dilation): transformers' ResNet has none; use --hf-backbone timm")
+    depths, block = RESNETS[name]
+    expansion = 4 if block == "bottleneck" else 1
+    stages = ["stage4"] if model["num_feature_levels"] == 1 else ["stage2", "stage3", "stage4"]
+    classes = model["num_classes"]
+    id2label = {str(i): names.get(i, "N/A" if names else f"LABEL_{i}") for i in range(classes)}
+    config = {
+        "architectures": ["DeformableDetrForObjectDetection"],
+        "model_type": "deformable_detr",
+        "use_timm_backbone": backbone == "timm",
+        "backbone": name if backbone == "timm" else None,
+        "use_pretrained_backbone": False,
+        "dilation": model["dilation"],
+        "backbone_config": None
+        if backbone == "timm"
+        else {
+            "model_type": "resnet",
+            "embedding_size": width,
+            "hidden_sizes": [width * expansion * 2**i for i in range(4)],
+            "depths": depths,
+            "layer_type": block,
+            "out_features": stages,
+        },
+        "num_channels": 3,
+        "d_model": model["hidden_dim"],
+        "encoder_layers": model["enc_layers"],
+        "decoder_layers": model["dec_layers"],
+        "encoder_attention_heads": model["nheads"],
+        "decoder_attention_heads": model["nheads"],
+        "encoder_ffn_dim": model["dim_feedforward"],
+        "decoder_ffn_dim": model["dim_feedforward"],
+        "encoder_n_points": model["enc_n_points"],
+        "decoder_n_points": model["dec_n_points"],
+        "num_feature_levels": model["num_feature_levels"],
+        "num_queries": model["num_queries"],
+        "two_stage_num_proposals": model["num_queries"],
+        "with_box_refine": model["with_box_refine"],
+        "two_stage": model["two_stage"],
+        "dropout": model["dropout"],
+        "activation_function": "relu",
+        "position_embedding_type": "sine",
+        "auxiliary_loss": False,
+        "id2label": id2label,
+        "label2id": {label: int(i) for i, label in id2label.items()},
+    }
+    processor = {  # what transformers' pipelines resize and normalise images with: as eval here
+        "image_processor_type": "DeformableDetrImageProcessor",
+        "format": "coco_detection",
+        "do_resize": True,
+        "size": {"shortest_edge": data.get("val_size", 800), "longest_edge": data.get("max_size", 1333)},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.485, 0.456, 0.406],
+        "image_std": [0.229, 0.224, 0.225],
+        "do_pad": True,
+    }
+    return config, processor
+
+
+def export_huggingface(src, out_dir: Path, config_path=None, raw: bool = False, backbone: str = "timm") -> str:
+    """Write `out_dir`/config.json, preprocessor_config.json and model.safetensors for transformers'
+    `DeformableDetrForObjectDetection.from_pretrained(out_dir)`; return a one-line summary."""
+    from .config import config_to_dict, load_config
+    from .convert import huggingface_to_authors
+    from .weights import config_from_weights, write_safetensors
+
+    weights, _ = read_port_weights(src, raw)
+    cfg = config_to_dict(load_config(config_path) if config_path else config_from_weights(src))
+    model = {**cfg["model"], "num_classes": int(weights["class_embed.0.bias"].shape[0])}
+    hf_config, processor = huggingface_config(model, read_weights(src, raw).class_names, backbone, cfg["data"])
+    state = to_authors(weights)
+    hf_state = to_huggingface(state, backbone)
+    back = sanitize(huggingface_to_authors(hf_state), source=str(src))  # as convert reads it
+    if back.keys() != weights.keys() or any(not np.array_equal(back[k], weights[k]) for k in weights):
+        raise ConversionError(f"{src}: the exported weights do not convert back to the same weights")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, content in (("config.json", hf_config), ("preprocessor_config.json", processor)):
+        with atomic_write(out_dir / name) as tmp:
+            tmp.write_text(json.dumps(content, indent=2))
+    write_safetensors(out_dir / "model.safetensors", hf_state, {"format": "pt"})
+    files = "config.json, preprocessor_config.json and model.safetensors"
+    return f"wrote {files} ({len(hf_state)} tensors, {backbone}'s ResNet names) to {out_dir}"
+
+
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(prog="python -m deformable_detr.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--to", choices=["torch"], required=True, help="the target layout")
-    parser.add_argument("src", type=Path, help="converted weights or a training checkpoint (.safetensors)")
-    parser.add_argument("dst", type=Path, help="the .pth file to write")
-    parser.add_argument("--config", type=Path, help="the model's config, for args the weights cannot show")
+    parser.add_argument("--to", choices=["torch", "huggingface"], required=True, help="the target layout")
+    parser.add_argument("src", help="converted weights or a training checkpoint (.safetensors), or hf://ORG/NAME")
+    parser.add_argument("dst", type=Path, help="the .pth file to write (torch), or the folder (huggingface)")
+    parser.add_argument("--config", type=Path, help="the model's config, where the weights do not record it")
+    parser.add_argument(
+        "--hf-backbone",
+        choices=["timm", "transformers"],
+        default="timm",
+        help="huggingface: the ResNet under timm's names as the Hub's SenseTime models (from_pretrained needs timm), "
+        "or transformers' own ResNet (any width; no DC5)",
+    )
     parser.add_argument(
         "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
     )
     args = parser.parse_args(argv)
-    print(export_torch(args.src, args.dst, args.config, args.raw_weights))
+    if args.to == "torch":
+        print(export_torch(args.src, args.dst, args.config, args.raw_weights))
+    else:
+        print(export_huggingface(args.src, args.dst, args.config, args.raw_weights, args.hf_backbone))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from .data.loader import collate
 from .data.transforms import normalize, resize
 from .model import post_process
 from .visualize import draw_detections, draw_sampling_points, grid
-from .weights import load_trained_model
+from .weights import config_from_weights, load_trained_model
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}
@@ -263,8 +263,10 @@ def pixel(text: str) -> tuple[float, float]:
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(prog="python -m deformable_detr.predict", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument(
+        "--config", help="default: the config the weights record (a checkpoint's, or converted weights')"
+    )
+    parser.add_argument("--checkpoint", required=True, help="a weights file, or hf://ORG/NAME[@REVISION] on the Hub")
     parser.add_argument("--threshold", type=float, default=0.5, help="draw detections scoring at least this")
     parser.add_argument("--output-dir", type=Path, default=Path("predictions"))
     parser.add_argument("--batch-size", type=int, default=1, help="images (or frames) a forward")
@@ -280,7 +282,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size}: must be at least 1")
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set) if args.config else config_from_weights(args.checkpoint, args.set)
     if not -cfg.model.dec_layers <= args.attention_layer < cfg.model.dec_layers:
         n = cfg.model.dec_layers
         raise UsageError(f"--attention-layer {args.attention_layer}: the model has {n} decoder layers (0 to {n - 1})")

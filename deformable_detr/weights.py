@@ -18,6 +18,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .config import Config, config_to_dict
 
 CLASS_NAMES_KEY = "category_names"  # safetensors metadata: JSON {category id: name}
+MODEL_OPTIONS_KEY = "model_options"  # converted weights: JSON of the ModelConfig fields they need
+CONFIG_FILE_KEY = "config_file"  # converted weights: the configs/ file of the authors' they match
 CLASS_HEAD = re.compile(r"class_embed\.\d+\.(weight|bias)$")
 
 
@@ -77,6 +79,8 @@ class WeightsFile:
     path: Path
     tensors: dict
     class_names: dict
+    model_options: dict | None = None  # converted weights: what model they are
+    config_file: str | None = None
     optimizer_state: dict | None = None
     progress: dict | None = None
     config: dict | None = None
@@ -85,13 +89,18 @@ class WeightsFile:
 
 
 def read_weights(path, raw: bool = False) -> WeightsFile:
+    """`path`: a file, or `hf://ORG/NAME[@REVISION]` (converted once, hub.local_weights)."""
+    from .hub import local_weights
+
+    path = local_weights(path)
     arrays, metadata = open_safetensors(path)
     try:
         names = {int(k): str(v) for k, v in json.loads(metadata.get(CLASS_NAMES_KEY, "{}")).items()}
     except (ValueError, AttributeError):
         raise ValueError(f"{path}: unreadable {CLASS_NAMES_KEY} metadata") from None
     if "progress" not in metadata:  # converted weights: the model's tensors alone
-        return WeightsFile(Path(path), arrays, names)
+        options = json.loads(metadata[MODEL_OPTIONS_KEY]) if MODEL_OPTIONS_KEY in metadata else None
+        return WeightsFile(Path(path), arrays, names, options, metadata.get(CONFIG_FILE_KEY))
 
     def part(prefix):
         return {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
@@ -101,7 +110,17 @@ def read_weights(path, raw: bool = False) -> WeightsFile:
     config = json.loads(metadata["config"]) if "config" in metadata else None
     updates = json.loads(metadata.get("ema", "{}")).get("updates", 0)
     state = tree_unflatten(list(part("optimizer.").items()))
-    return WeightsFile(Path(path), tensors, names, state, json.loads(metadata["progress"]), config, ema, updates)
+    progress = json.loads(metadata["progress"])
+    return WeightsFile(
+        Path(path),
+        tensors,
+        names,
+        optimizer_state=state,
+        progress=progress,
+        config=config,
+        ema=ema,
+        ema_updates=updates,
+    )
 
 
 def class_names_metadata(names: dict) -> dict:
@@ -109,9 +128,9 @@ def class_names_metadata(names: dict) -> dict:
     return {CLASS_NAMES_KEY: json.dumps({str(k): v for k, v in sorted(names.items())})} if names else {}
 
 
-def save_weights(path, tensors: dict, class_names: dict | None = None):
+def save_weights(path, tensors: dict, class_names: dict | None = None, metadata: dict | None = None):
     """Converted weights: the model's tensors by parameter name, with their category names."""
-    write_safetensors(path, tensors, class_names_metadata(class_names or {}))
+    write_safetensors(path, tensors, {**class_names_metadata(class_names or {}), **(metadata or {})})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +194,22 @@ def check_keys(model, weights: dict, path, strict: bool, any_class_count: bool =
     missing = sorted(set(shapes) - set(weights))
     if strict and missing:
         raise ValueError(f"{path}: missing key {missing[0]}; is it the checkpoint of this config's model?")
+
+
+def config_from_weights(path, overrides=()) -> Config:
+    """The config a weights file says its model has, for commands given no --config: a training
+    checkpoint's own; for converted weights, the authors' configs/ file they match with their model
+    options; then `overrides`. Weights that say neither: a UsageError asking for --config."""
+    from .cli import UsageError
+    from .config import CONFIGS_DIR, load_config
+    from .convert import overrides as model_overrides
+
+    weights = read_weights(path)
+    if weights.config is not None:
+        return load_config(None, overrides, base=weights.config, base_source=f"{path}'s config")
+    if weights.model_options is not None:
+        return load_config(CONFIGS_DIR / weights.config_file, model_overrides(weights.model_options) + list(overrides))
+    raise UsageError(f"{path} does not say which model it holds (converted by an older version?): give --config")
 
 
 def load_trained_model(path, cfg: Config, raw: bool = False):

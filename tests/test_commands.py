@@ -139,6 +139,19 @@ def cases(data, tmp):
             "--encoder-pixel: 'middle': expected X,Y",
         ),
         "predict batch size": (PREDICT, [*config, *weights, "--batch-size", "0", str(image)], 2, "--batch-size 0"),
+        "predict hub repository not in the cache": (
+            PREDICT,
+            ["--checkpoint", "hf://ORG/none", str(image)],
+            1,
+            f"hf://ORG/none: config.json is not in the Hugging Face cache ({tmp / 'hf-cache'}) and HF_HUB_OFFLINE=1",
+        ),
+        "convert hub repository not in the cache": (
+            CONVERT,
+            ["hf://ORG/none@v2", str(tmp / "out.safetensors")],
+            1,
+            "hf://ORG/none@v2: config.json is not in the Hugging Face cache",
+        ),
+        "eval bad hub reference": (EVAL, ["--checkpoint", "hf://none"], 2, "hf://none: expected hf://ORG/NAME"),
         "convert missing weights": (
             CONVERT,
             [str(tmp / "none.pth"), str(tmp / "out.safetensors")],
@@ -182,6 +195,7 @@ def results(tmp_path_factory):
     (tmp / "broken.mp4").write_bytes(b"not a video")
     (tmp / "broken.yaml").write_text("model:\n  backbone: resnet18\n hidden_dim: 64\n")  # line 3 is off
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "DEFORMABLE_DETR_MKL": "0"}
+    environment |= {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp / "hf-cache")}  # an empty cache, offline
     environment.pop("DEFORMABLE_DETR_TRACEBACK", None)
 
     def run(case):

@@ -173,3 +173,27 @@ def test_scripts_start_with_mkl_preloaded(command):
     result = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, cwd=root, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage:" in result.stdout
+
+
+def test_eval_and_predict_take_the_config_the_checkpoint_records(trained, tmp_path):
+    """No --config: the run's own (its num_queries=20 and data.coco_path), as given to train.py."""
+    root, output = trained
+    checkpoint = str(output / "checkpoint.safetensors")
+    given = eval_script.main(
+        [
+            "--config",
+            str(TINY),
+            "--checkpoint",
+            checkpoint,
+            "--output-dir",
+            str(tmp_path / "a"),
+            f"data.coco_path={root}",
+            "model.num_queries=20",
+        ]
+    )
+    recorded = eval_script.main(["--checkpoint", checkpoint, "--output-dir", str(tmp_path / "b")])
+    assert recorded == given
+    predict_main(
+        ["--checkpoint", checkpoint, "--output-dir", str(tmp_path / "p"), str(root / "val2017" / "000000000001.png")]
+    )
+    assert len(json.loads((tmp_path / "p" / "000000000001.json").read_text())) == 100
