@@ -8,8 +8,9 @@ differentiated w.r.t. its indices, so without this VJP the grid would get no gra
 from functools import cache
 
 import mlx.core as mx
+import numpy as np
 
-from . import backends, fused
+from . import backends, fused, selfcheck
 from .checks import check_choice, check_float, check_rank, compute_dtype, fail
 from .sampling import bicubic_taps, bilinear_taps, nearest_taps, pad_coordinates
 
@@ -42,7 +43,10 @@ def grid_sample(
         fail("grid_sample", "grid", grid.shape, f"(N, Ho, Wo, 2) = ({n}, Ho, Wo, 2)")
     result_dtype = mx.result_type(input, grid)
     unsupported = None if mode == "bilinear" else f"is bilinear only, not {mode!r}"
+    backend = backend or backends.from_environment()
     kernel = backends.select("grid_sample", backend, result_dtype, unsupported)
+    if kernel is not None and backend is None and not _trusted(kernel, result_dtype, padding_mode, bool(align_corners)):
+        kernel = None  # it failed its self-check: the MLX-ops path
     if kernel is not None:
         sample = fused.grid_sample_core(kernel, padding_mode, bool(align_corners))
         return sample(input.astype(result_dtype), grid.astype(result_dtype))
@@ -50,6 +54,25 @@ def grid_sample(
     sample = _sampler(mode, padding_mode, bool(align_corners))
     out = sample(input.astype(dtype), grid.astype(dtype))
     return out.astype(result_dtype)
+
+
+def _trusted(kernel, dtype, padding_mode: str, align_corners: bool) -> bool:
+    """The fused kernel instance against the MLX-ops path on a small problem, once a process."""
+
+    def fused_sample(input, grid):  # built inside the check, where a compiler's error is caught
+        return fused.grid_sample_core(kernel, padding_mode, align_corners)(input, grid)
+
+    def reference(input, grid):
+        return grid_sample(input, grid, "bilinear", padding_mode, align_corners, backend="mlx")
+
+    def problem():
+        rng = np.random.default_rng(0)
+        grid = rng.uniform(-1.1, 1.1, (1, 3, 3, 2))
+        grid[0, 0, :, 0] = [-0.5, 0.0, 0.5] if align_corners else [-0.6, -0.2, 0.2]  # taps exactly on pixels
+        return [mx.array(rng.standard_normal((1, 4, 5, 3)).astype(np.float32)), mx.array(grid.astype(np.float32))]
+
+    options = {"padding": padding_mode, "align_corners": align_corners}
+    return selfcheck.trusted(kernel, "grid_sample", dtype, options, fused_sample, reference, problem)
 
 
 def _plan(grid: mx.array, height: int, width: int, mode: str, padding_mode: str, align_corners: bool):

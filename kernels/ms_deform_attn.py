@@ -7,7 +7,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from . import backends
+from . import backends, selfcheck
 from .checks import check_choice, check_float, check_rank, compute_dtype, fail, level_starts
 from .sampling import bilinear_taps, pad_coordinates
 
@@ -56,7 +56,16 @@ def ms_deform_attn(
     _check_shapes(canonical_value, shapes, locations, attention_weights, value_layout, sampling_locations_layout)
 
     result_dtype = mx.result_type(value, sampling_locations, attention_weights)
+    backend = backend or backends.from_environment()
     kernel = backends.select(OP, backend, result_dtype, cpu_kernel=True)
+    flags = (bool(align_corners), padding_mode, value_layout, sampling_locations_layout)
+    if (
+        kernel is not None
+        and backend is None
+        and kernel.name in backends.FUSED
+        and not _trusted(kernel, result_dtype, *flags)
+    ):
+        kernel = None  # it failed its self-check: the MLX-ops path
     if kernel is not None:  # the kernels read both layouts as they are
         attend = kernel.ms_deform_attn_core(
             shapes, bool(align_corners), padding_mode, value_layout, sampling_locations_layout
@@ -68,6 +77,41 @@ def ms_deform_attn(
     attend = _mlx_core(shapes, bool(align_corners), padding_mode)
     out = attend(value.astype(dtype), locations.astype(dtype), attention_weights.astype(dtype))
     return out.astype(result_dtype)
+
+
+def _trusted(kernel, dtype, align_corners, padding_mode, value_layout, locations_layout) -> bool:
+    """The fused kernel instance against the MLX-ops path on a small problem, once a process."""
+    shapes = ((3, 4), (2, 3))
+    layouts = dict(value_layout=value_layout, sampling_locations_layout=locations_layout)
+    flags = dict(align_corners=align_corners, padding_mode=padding_mode)
+
+    def fused(value, locations, weights):  # built inside the check, where a compiler's error is caught
+        return kernel.ms_deform_attn_core(shapes, align_corners, padding_mode, value_layout, locations_layout)(
+            value, locations, weights
+        )
+
+    def reference(value, locations, weights):
+        return ms_deform_attn(value, shapes, None, locations, weights, **layouts, **flags, backend="mlx")
+
+    def problem():
+        rng = np.random.default_rng(0)
+        b, q, heads, channels, points, length = 1, 5, 2, 3, 2, sum(h * w for h, w in shapes)
+        value = rng.standard_normal((b, length, heads, channels))
+        locations = rng.uniform(-0.1, 1.1, (b, q, heads, len(shapes), points, 2))
+        for level, (_, w) in enumerate(shapes):  # some taps exactly on pixels: a naive sampler's zero gradient
+            locations[:, :2, :, level, :, 0] = (np.arange(2)[:, None, None] + (0 if align_corners else 0.5)) / (
+                w - 1 if align_corners else w
+            )
+        weights = rng.uniform(0.1, 1.0, (b, q, heads, len(shapes), points))
+        if value_layout == "BNLC":
+            value = value.transpose(0, 2, 1, 3)
+        if locations_layout == "B2QHLP":
+            locations = locations.transpose(0, 5, 1, 2, 3, 4)
+        return [mx.array(a.astype(np.float32)) for a in (value, locations, weights)]
+
+    options = {"padding": padding_mode, "align_corners": align_corners, "value": value_layout}
+    options["locations"] = locations_layout
+    return selfcheck.trusted(kernel, OP, dtype, options, fused, reference, problem)
 
 
 def _spatial_shapes(spatial_shapes) -> tuple[tuple[int, int], ...]:
