@@ -13,7 +13,8 @@ memory (ru_maxrss, the whole process: Python, libraries, weights and activations
 
 Inference: batch 1 at 800 x 1066 (the authors' evaluation size), images/s. Training: batch 2 at each
 `--train-size`, forward, Hungarian matching, losses, backward and an AdamW step; ours with activation
-checkpointing off and on (`train.activation_checkpointing`; on is the R50 configs' default), and with
+checkpointing off and on (`train.activation_checkpointing`), the R50 configs' default (`auto`: off
+where the step fits the memory budget without it, as here for these steps) marked `(default)`; with
 MLX's own peak (`mx.get_peak_memory`: arrays only) beside the process's.
 Writes `model_cpu.txt` and `model_cpu.png` to --output-dir (default bench/results).
 """
@@ -121,6 +122,15 @@ def measure_torch(task, repeats, size, threads):
     return {"seconds": seconds, "batch": batch, "versions": f"torch {torch.__version__}, {threads} threads"}
 
 
+def default_checkpointing(without: dict) -> bool:
+    """What configs/r50.yaml's `train.activation_checkpointing: auto` chooses for this step on this
+    machine: off where the step's MLX peak without recomputation fits the memory budget."""
+    from deformable_detr import load_config
+    from deformable_detr.memory import budget_bytes
+
+    return without["mlx_peak_mib"] * 2**20 > budget_bytes(load_config(ROOT / "configs" / "r50.yaml").train)
+
+
 def run_side(side, task, repeats, size, threads, checkpointing=False):
     """One side in its own process: its peak memory is its own."""
     sys.path.insert(0, str(ROOT))
@@ -179,10 +189,14 @@ def main(argv=None):
         versions.add(f"PyTorch: {theirs['versions']}")
         name = f"{task}, batch {theirs['batch']}, {size[0]}x{size[1]}"
         bars_of_task = [("PyTorch", theirs["seconds"] / theirs["batch"])]
+        measured = {}
         for checkpointing in (False, True) if task == "train" else (False,):
-            ours = run_side("ours", task, args.repeats, size, args.threads, checkpointing)
+            measured[checkpointing] = ours = run_side("ours", task, args.repeats, size, args.threads, checkpointing)
             versions.add(f"ours: {ours['versions']}")
+        for checkpointing, ours in measured.items():
             label = "ours" if task == "inference" else f"ours, checkpointing {'on' if checkpointing else 'off'}"
+            if task == "inference" or checkpointing == default_checkpointing(measured[False]):
+                label += " (default)"
             lines.append(
                 f"| {name}: {label} | {theirs['seconds']:.2f} | {ours['seconds']:.2f} "
                 f"| {theirs['seconds'] / ours['seconds']:.2f} | {theirs['peak_rss_mib']:.0f} "

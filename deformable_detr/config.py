@@ -95,7 +95,9 @@ class TrainConfig:
     checkpoint_every: int = 0  # also checkpoint every N steps (0: at the end of each epoch only)
     log_every: int = 1  # steps between JSON-lines log records
     eval_every: int = 1  # epochs between evaluations (0: never)
-    activation_checkpointing: bool = False  # recompute backbone stages 2-4 and every transformer layer in the backward
+    # recompute backbone stages 2-4 and every transformer layer in the backward; auto: only when the
+    # memory check finds that a step without it would not fit train.memory_limit_gb (train.py)
+    activation_checkpointing: bool = field(default=False, metadata={"auto": True})
     memory_limit_gb: float = 0.0  # refuse to start when a step would need more (0: 80% of the machine's memory)
     # bfloat16: convolutions, linears and the attention's values computed in bfloat16, the weights,
     # AdamW, losses, matching, softmax and normalisations in float32

@@ -119,6 +119,27 @@ def estimate_step_memory(trainer, batch: int, height: int, width: int, num_class
 
 
 def check_memory(trainer, train_dataset, cfg, share: int, log=None) -> tuple[int, Estimate]:
+    """`check_micro_batch` with `train.activation_checkpointing: auto` resolved: off when a step
+    without it fits the budget (faster: nothing is recomputed), else on. The model and
+    `cfg.train.activation_checkpointing` are set to the choice, which is logged."""
+    if cfg.train.activation_checkpointing != "auto":
+        return check_micro_batch(trainer, train_dataset, cfg, share, log)
+    for checkpointing in (False, True):
+        cfg.train.activation_checkpointing = checkpointing
+        trainer.model.set_activation_checkpointing(checkpointing)
+        try:
+            micro, estimate = check_micro_batch(trainer, train_dataset, cfg, share, log)
+        except MemoryBudgetError:
+            if checkpointing:
+                raise
+            continue
+        if log is not None:
+            why = "a step without it fits" if not checkpointing else "a step without it would not fit"
+            log(f"memory: train.activation_checkpointing auto -> {str(checkpointing).lower()} ({why})")
+        return micro, estimate
+
+
+def check_micro_batch(trainer, train_dataset, cfg, share: int, log=None) -> tuple[int, Estimate]:
     """The micro-batch size to train with, and the estimated peak of a micro-batch of the largest
     images the data can produce: `schedule.micro_batch_size`, or for `auto` the largest that divides
     the process's `share` of the batch and fits the budget (from probes of 1 and 2 images: the peak

@@ -197,5 +197,5 @@ def build_model(cfg: Config) -> DeformableDETR:
         with_box_refine=m.with_box_refine,
         two_stage=m.two_stage,
     )
-    model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+    model.set_activation_checkpointing(cfg.train.activation_checkpointing is True)  # auto: the memory check sets it
     return model

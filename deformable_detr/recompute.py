@@ -84,12 +84,14 @@ def checkpointed(modules: list[nn.Module], fn, *arrays, enabled: bool = True):
         with _drawing_from(key):
             return fn(*arrays)
 
-    names, values = zip(*tree_flatten([m.trainable_parameters() for m in modules]), strict=True)
+    trainable = tree_flatten([m.trainable_parameters() for m in modules])
+    names, values = [name for name, _ in trainable], [value for _, value in trainable]  # none: a frozen part
 
     def pure(*inputs):
-        params = tree_unflatten(list(zip(names, inputs[: len(names)], strict=True)))
-        for module, module_params in zip(modules, params, strict=True):
-            module.update(module_params)
+        if names:
+            params = tree_unflatten(list(zip(names, inputs[: len(names)], strict=True)))
+            for module, module_params in zip(modules, params, strict=True):
+                module.update(module_params)
         with _drawing_from(key):
             return fn(*inputs[len(names) :])
 
@@ -104,7 +106,7 @@ def checkpointed(modules: list[nn.Module], fn, *arrays, enabled: bool = True):
         _, grads = mx.vjp(pure, primals, [cotangent])
         # And make the gradients passed on wait for the parameters' gradients: those are outputs of
         # the step, which MLX would otherwise evaluate last, keeping every recomputation alive till then.
-        passed_on = mx.depends(grads[len(names) :], grads[: len(names)])
+        passed_on = mx.depends(grads[len(names) :], grads[: len(names)]) if names else grads
         return (*grads[: len(names)], *passed_on)
 
     return recomputed(*values, *arrays)

@@ -175,6 +175,8 @@ def cases(data, tmp):
         "shapes bad number": (SHAPES, [str(tmp / "set"), "--train", "many"], 2, "--train: invalid int value: 'many'"),
         "bench model bad argument": (bench("model"), ["--train-size", "512by683"], 2, "'512by683': expected sizes HxW"),
         "bench memory bad argument": (bench("memory"), ["--size", "0x4"], 2, "'0x4': expected sizes HxW"),
+        "bench step_parts bad argument": (bench("step_parts"), ["--size", "big"], 2, "'big': expected sizes HxW"),
+        "bench predict bad argument": (bench("predict"), ["--count", "all"], 2, "--count: invalid int value"),
         "bench attention bad argument": (bench("attention"), ["--repeats", "x"], 2, "--repeats: invalid int value"),
         "bench train_step missing config": (
             bench("train_step"),

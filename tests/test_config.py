@@ -22,8 +22,8 @@ def test_configs_are_the_authors_defaults_plus_their_flags(name):
     cfg = load_config(CONFIGS_DIR / name)
     expected = Config()  # the dataclass defaults are the authors' main.py defaults
     expected.model = dataclasses.replace(expected.model, **AUTHORS[name])
-    # ours, not the authors': at their image sizes a step fits in memory only with it
-    expected.train = dataclasses.replace(expected.train, activation_checkpointing=True)
+    # ours, not the authors': at their image sizes a step may fit in memory only with it
+    expected.train = dataclasses.replace(expected.train, activation_checkpointing="auto")
     # ours: their 32 images a step in micro-batches that fit this machine
     expected.schedule = dataclasses.replace(expected.schedule, micro_batch_size="auto")
     assert cfg == expected

@@ -156,3 +156,38 @@ def test_the_advice_names_checkpointing_only_where_it_is_off():
 
     assert "turn on train.activation_checkpointing" in advice(False)
     assert "activation_checkpointing" not in advice(True) and "lower schedule.micro_batch_size" in advice(True)
+
+
+def test_checkpointing_auto_is_on_only_where_a_step_would_not_fit_without_it(monkeypatch):
+    """The choice, with the micro-batch check's answers given (its estimates are tested above): off
+    where a step without recomputation fits, on where only a step with it does, an error otherwise."""
+    import deformable_detr.memory as memory
+
+    peaks = {False: 10 * memory.GIB, True: 4 * memory.GIB}  # a step's peak without and with recomputation
+
+    def micro_batch_check(trainer, dataset, cfg, share, log=None):
+        peak = peaks[trainer.model.transformer.encoder.activation_checkpointing]
+        assert cfg.train.activation_checkpointing is trainer.model.backbone[0].body.activation_checkpointing
+        if peak > memory.budget_bytes(cfg.train):
+            raise memory.MemoryBudgetError(f"over the memory budget ({peak / memory.GIB:.0f} GiB)")
+        return 2, memory.Estimate(peak, 2, 800, 1066, [])
+
+    monkeypatch.setattr(memory, "check_micro_batch", micro_batch_check)
+
+    def chosen(limit_gb):
+        cfg = load_config(TINY, ["train.activation_checkpointing=auto", f"train.memory_limit_gb={limit_gb}"])
+        model = build_model(cfg)
+        assert model.transformer.encoder.activation_checkpointing is False  # until the check decides
+        said = []
+        _, estimate = memory.check_memory(Trainer.from_config(model, cfg), None, cfg, 2, log=said.append)
+        assert model.transformer.decoder.activation_checkpointing is cfg.train.activation_checkpointing
+        return cfg.train.activation_checkpointing, estimate.peak_bytes / memory.GIB, said[-1]
+
+    assert chosen(12) == (False, 10, "memory: train.activation_checkpointing auto -> false (a step without it fits)")
+    assert chosen(6) == (
+        True,
+        4,
+        "memory: train.activation_checkpointing auto -> true (a step without it would not fit)",
+    )
+    with pytest.raises(memory.MemoryBudgetError, match=r"over the memory budget \(4 GiB\)"):
+        chosen(3)

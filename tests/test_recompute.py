@@ -15,15 +15,15 @@ from deformable_detr import build_model, load_config, recompute
 from deformable_detr.engine import Trainer
 
 
-def gradients(activation_checkpointing: bool, step_seed: int = 0):
+def gradients(activation_checkpointing: bool, step_seed: int = 0, backbone_trains: bool = True):
+    trains = ["optimizer.lr_backbone=1e-5", "optimizer.freeze_stem_and_layer1=false"]  # its stages checkpointed too
     cfg = load_config(
         TINY,
         [
             "model.dropout=0.3",
             "model.two_stage=true",
             "model.with_box_refine=true",
-            "optimizer.lr_backbone=1e-5",  # the backbone trains: its stages are checkpointed too
-            "optimizer.freeze_stem_and_layer1=false",
+            *(trains if backbone_trains else []),
             f"train.activation_checkpointing={str(activation_checkpointing).lower()}",
         ],
     )
@@ -53,6 +53,15 @@ def test_checkpointing_gives_the_same_gradients_with_dropout(plain):
     assert total == pytest.approx(plain[0], rel=1e-6)
     assert any(k.startswith("backbone.0.body.layer2") for k in grads)
     assert largest_difference(grads, plain[1]) < 1e-4
+
+
+def test_checkpointing_a_frozen_backbone(plain):
+    """lr_backbone 0 freezes the backbone: its checkpointed stages have no parameters to pass (this
+    raised a ValueError before)."""
+    total, grads = gradients(True, backbone_trains=False)
+    reference_total, reference = gradients(False, backbone_trains=False)
+    assert not any(k.startswith("backbone.") for k in grads)
+    assert total == pytest.approx(reference_total, rel=1e-6) and largest_difference(grads, reference) < 1e-4
 
 
 def test_dropout_is_on_and_the_masks_matter(plain):

@@ -1,0 +1,121 @@
+"""MLX's CPU convolution against PyTorch's on the R50 backbone's shapes at 800 x 1066, and the whole
+ResNet-50 (this port's backbone against transformers' ResNet-50, random weights), forward only.
+
+    python bench/conv.py [--repeats 5] [--output bench/results/conv_cpu.txt]
+
+Both sides use this machine's cores (MLX: MKL's GEMM under its im2col convolution, as train.py runs;
+PyTorch: oneDNN, as many threads); each side in its own process. The median of `--repeats` after a
+warm-up.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from deformable_detr.cli import ArgumentParser, entry_point
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [  # (in channels, out channels, kernel, stride, input height, input width): the backbone's
+    (3, 64, 7, 2, 800, 1066),
+    (64, 64, 3, 1, 200, 267),
+    (64, 256, 1, 1, 200, 267),
+    (128, 128, 3, 2, 200, 267),
+    (128, 128, 3, 1, 100, 134),
+    (256, 256, 3, 1, 50, 67),
+    (1024, 256, 1, 1, 50, 67),
+    (512, 512, 3, 1, 25, 34),
+]
+
+
+def median(run, repeats):
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_mlx(repeats):
+    import mlx.core as mx
+
+    from deformable_detr import build_model, load_config
+
+    result = {}
+    for c_in, c_out, k, s, h, w in SHAPES:
+        x, weight = mx.random.normal((1, h, w, c_in)), mx.random.normal((c_out, k, k, c_in))
+        mx.eval(x, weight)
+        result[str((c_in, c_out, k, s, h, w))] = median(
+            lambda x=x, weight=weight, s=s, k=k: mx.eval(mx.conv2d(x, weight, stride=s, padding=k // 2)), repeats
+        )
+    backbone = build_model(load_config(ROOT / "configs" / "r50.yaml")).backbone[0]
+    images, mask = mx.random.normal((1, 800, 1066, 3)), mx.zeros((1, 800, 1066), dtype=mx.bool_)
+    result["resnet50"] = median(lambda: mx.eval([f for f, _ in backbone(images, mask)]), repeats)
+    return result
+
+
+def measure_torch(repeats):
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    result = {}
+    with torch.no_grad():
+        for c_in, c_out, k, s, h, w in SHAPES:
+            x, weight = torch.randn(1, c_in, h, w), torch.randn(c_out, c_in, k, k)
+            result[str((c_in, c_out, k, s, h, w))] = median(
+                lambda x=x, weight=weight, s=s, k=k: F.conv2d(x, weight, stride=s, padding=k // 2), repeats
+            )
+        resnet = transformers.ResNetModel(transformers.ResNetConfig()).eval()
+        images = torch.randn(1, 3, 800, 1066)
+        result["resnet50"] = median(lambda: resnet(images), repeats)
+    return result
+
+
+@entry_point(runtime=False)
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "conv_cpu.txt")
+    parser.add_argument("--measure", choices=["mlx", "torch"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps((measure_mlx if args.measure == "mlx" else measure_torch)(args.repeats)))
+        return
+    from deformable_detr.runtime import runtime_environment
+
+    sides = {}
+    for side in ("mlx", "torch"):
+        env = runtime_environment() if side == "mlx" else {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        done = subprocess.run(
+            [sys.executable, __file__, "--measure", side, "--repeats", str(args.repeats)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode:
+            sys.exit(f"error: the {side} side failed:\n{done.stderr[-3000:]}")
+        sides[side] = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [
+        f"forward, seconds, median of {args.repeats} after a warm-up; ratio = PyTorch / MLX (< 1: MLX slower)",
+        "",
+        "| convolution (in, out, kernel, stride, H, W) / model | PyTorch | MLX | ratio |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for key in sides["mlx"]:
+        mine, theirs = sides["mlx"][key], sides["torch"][key]
+        name = "ResNet-50 at 800 x 1066 (this port's backbone / transformers')" if key == "resnet50" else key
+        lines.append(f"| {name} | {theirs:.4f} | {mine:.4f} | {theirs / mine:.2f} |")
+    text = "\n".join(lines)
+    print(text)
+    args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Where an R50 training step's time goes: backbone, encoder, decoder (with the heads), matching and
+losses, backward, optimizer; with activation checkpointing off and on.
+
+    python bench/step_parts.py [--size 512x683] [--repeats 2] [--output bench/results/step_parts_cpu.txt]
+
+configs/r50.yaml, random weights, a micro-batch of 2 synthetic images of `--size` with three boxes
+each. The forward's parts are timed with an evaluation after each (a forward without gradient);
+matching and losses on the evaluated outputs; the backward is the differentiated step's time less
+that forward and the losses; the optimizer is AdamW's update with the gradient clipping. The median
+of `--repeats` after a warm-up, each setting in its own process, started as train.py starts.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from deformable_detr.cli import ArgumentParser, entry_point
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import image_sizes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("backbone", "encoder", "decoder and heads", "matching and losses", "backward", "optimizer")
+
+
+def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dict:
+    import mlx.core as mx
+    import numpy as np
+
+    import deformable_detr.deformable_transformer as transformer_module
+    from deformable_detr import build_model, load_config
+    from deformable_detr.backbone import Backbone
+    from deformable_detr.engine import Trainer, seed_step
+
+    cfg = load_config(ROOT / "configs" / "r50.yaml", [f"train.activation_checkpointing={str(checkpointing).lower()}"])
+    mx.random.seed(0)
+    model = build_model(cfg)
+    trainer = Trainer.from_config(model, cfg)
+    rng = np.random.default_rng(0)
+    images = mx.array(rng.standard_normal((2, *size, 3)).astype(np.float32))
+    mask = mx.zeros((2, *size), dtype=mx.bool_)
+    boxes = np.array([[0.3, 0.3, 0.2, 0.2], [0.7, 0.6, 0.3, 0.2], [0.5, 0.5, 0.6, 0.5]], np.float32)
+    targets = [{"labels": np.array([1, 17, 62]), "boxes": boxes} for _ in range(2)]
+    num_boxes = trainer.num_boxes(targets)
+    seconds = {}
+
+    def timing(name, function):
+        def wrapper(*args, **kwargs):
+            mx.eval([a for a in args if isinstance(a, mx.array)])
+            start = time.perf_counter()
+            out = function(*args, **kwargs)
+            mx.eval(out)
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+            return out
+
+        return wrapper
+
+    originals = (Backbone.__call__, transformer_module.DeformableTransformerEncoder.__call__)
+
+    def forward_parts():
+        Backbone.__call__ = timing("backbone", originals[0])
+        transformer_module.DeformableTransformerEncoder.__call__ = timing("encoder", originals[1])
+        try:
+            seed_step(cfg.seed, 0)
+            start = time.perf_counter()
+            outputs = model(images, mask)
+            mx.eval(outputs)
+            total = time.perf_counter() - start
+        finally:
+            Backbone.__call__, transformer_module.DeformableTransformerEncoder.__call__ = originals
+        start = time.perf_counter()
+        losses = trainer.criterion(outputs, targets, num_boxes)
+        mx.eval(losses)
+        matching = time.perf_counter() - start
+        return total, matching
+
+    results = []
+    for _ in range(repeats + 1):
+        seconds.clear()
+        forward, matching = forward_parts()
+        seed_step(cfg.seed, 0)
+        start = time.perf_counter()
+        (total, _), grads = trainer.loss_and_grad(images, mask, targets, num_boxes)
+        mx.eval(total, grads)
+        differentiated = time.perf_counter() - start
+        start = time.perf_counter()
+        trainer._update(grads, total, {})
+        mx.eval(model.parameters(), trainer.optimizer.state)
+        optimizer = time.perf_counter() - start
+        results.append(
+            {
+                "backbone": seconds["backbone"],
+                "encoder": seconds["encoder"],
+                "decoder and heads": forward - seconds["backbone"] - seconds["encoder"],
+                "matching and losses": matching,
+                "backward": differentiated - forward - matching,
+                "optimizer": optimizer,
+                "step": differentiated + optimizer,
+            }
+        )
+    kept = results[1:]  # after the warm-up
+    return {k: float(np.median([r[k] for r in kept])) for k in kept[0]}
+
+
+@entry_point(runtime=False)
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=image_sizes, default="512x683", help="HxW of the images")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "step_parts_cpu.txt")
+    parser.add_argument("--measure", choices=["off", "on"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    size = args.size[0]
+    if args.measure:
+        print(json.dumps(timed_parts(args.measure == "on", size, args.repeats)))
+        return
+
+    from deformable_detr.runtime import runtime_environment
+
+    results = {}
+    for setting in ("off", "on"):
+        command = [sys.executable, __file__, "--measure", setting, "--size", f"{size[0]}x{size[1]}"]
+        done = subprocess.run(
+            command + ["--repeats", str(args.repeats)], env=runtime_environment(), capture_output=True, text=True
+        )
+        if done.returncode:
+            sys.exit(f"error: the step with checkpointing {setting} failed:\n{done.stderr[-3000:]}")
+        results[setting] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(setting, results[setting], flush=True)
+    lines = [
+        f"R50 training step (configs/r50.yaml), micro-batch 2 x {size[0]} x {size[1]}, median of {args.repeats} "
+        "after a warm-up, seconds; CPU with MKL",
+        "",
+        "| part | checkpointing off | checkpointing on |",
+        "| --- | ---: | ---: |",
+    ]
+    for part in (*PARTS, "step"):
+        lines.append(f"| {part} | {results['off'][part]:.2f} | {results['on'][part]:.2f} |")
+    text = "\n".join(lines)
+    print(text)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
