@@ -13,10 +13,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from deformable_detr.cli import ArgumentParser, entry_point
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_time as median  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [  # (in channels, out channels, kernel, stride, input height, input width): the backbone's
@@ -29,16 +31,6 @@ SHAPES = [  # (in channels, out channels, kernel, stride, input height, input wi
     (1024, 256, 1, 1, 50, 67),
     (512, 512, 3, 1, 25, 34),
 ]
-
-
-def median(run, repeats):
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def measure_mlx(repeats):

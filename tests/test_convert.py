@@ -175,36 +175,11 @@ def test_torchvision_backbone_only(tmp_path, capsys):
 
 @pytest.mark.parametrize("variant", ["base", "refine+two_stage"])
 def test_huggingface_model_converts_and_matches(variant, tmp_path):
-    transformers = pytest.importorskip("transformers", reason="the Hugging Face reference (dev extra)")
-    torch.manual_seed(0)
+    pytest.importorskip("transformers", reason="the Hugging Face reference (dev extra)")
+    from hf_reference import huggingface_model
+
     two_stage = variant != "base"
-    config = transformers.DeformableDetrConfig(
-        use_timm_backbone=False,
-        use_pretrained_backbone=False,
-        backbone_config=transformers.ResNetConfig(out_features=["stage2", "stage3", "stage4"]),
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        num_queries=20,
-        num_labels=7,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        with_box_refine=two_stage,
-        two_stage=two_stage,
-        two_stage_num_proposals=20,
-    )
-    hf = transformers.DeformableDetrForObjectDetection(config).eval()
-    with torch.no_grad():  # nothing left at an init value (zeros, ones) that could hide a mapping error
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
-        for name, b in hf.named_buffers():
-            if name.endswith(("running_var", "running_mean")):
-                b.copy_(torch.rand_like(b) + 0.5 if name.endswith("var") else torch.randn_like(b) * 0.1)
+    hf = huggingface_model(variant)
     hf.save_pretrained(tmp_path)
 
     weights, options, message = convert(tmp_path)

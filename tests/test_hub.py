@@ -19,47 +19,12 @@ transformers = pytest.importorskip("transformers", reason="the Hugging Face refe
 
 COMMIT, OTHER_COMMIT = "0123456789abcdef0123456789abcdef01234567", "89abcdef0123456789abcdef0123456789abcdef"
 LABELS = {0: "N/A", 1: "cat", 2: "dog", 3: "N/A", 4: "bird", 5: "fish", 6: "frog"}
-VARIANTS = {  # name -> (with_box_refine, two_stage, num_feature_levels)
-    "base": (False, False, 4),
-    "single_scale": (False, False, 1),
-    "refine": (True, False, 4),  # transformers 5 writes its class heads once
-    "refine+two_stage": (True, True, 4),
-}
 
 
 def huggingface_model(variant: str, seed: int = 0):
-    refine, two_stage, levels = VARIANTS[variant]
-    torch.manual_seed(seed)
-    config = transformers.DeformableDetrConfig(
-        use_timm_backbone=False,
-        use_pretrained_backbone=False,
-        backbone_config=transformers.ResNetConfig(
-            out_features=["stage4"] if levels == 1 else ["stage2", "stage3", "stage4"]
-        ),
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        num_feature_levels=levels,
-        num_queries=20,
-        id2label=LABELS,
-        label2id={v: k for k, v in LABELS.items()},
-        dropout=0.0,
-        with_box_refine=refine,
-        two_stage=two_stage,
-        two_stage_num_proposals=20,
-    )
-    hf = transformers.DeformableDetrForObjectDetection(config).eval()
-    with torch.no_grad():  # nothing left at an init value (zeros, ones) that could hide a mapping error
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
-        for name, b in hf.named_buffers():
-            if name.endswith(("running_var", "running_mean")):
-                b.copy_(torch.rand_like(b) + 0.5 if name.endswith("var") else torch.randn_like(b) * 0.1)
-    return hf
+    from hf_reference import huggingface_model as model
+
+    return model(variant, LABELS, seed)
 
 
 def outputs_of(hf, model):
@@ -82,7 +47,7 @@ def model_for(weights, options):
     return model
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["base", "single_scale", "refine", "refine+two_stage"])
 def test_files_of_the_installed_transformers_convert_and_match_it(variant, tmp_path):
     hf = huggingface_model(variant)
     hf.save_pretrained(tmp_path)
@@ -240,6 +205,7 @@ def test_the_bin_file_when_there_is_no_safetensors(hub):
 def port_model(variant: str, tmp_path, width: int = 64):
     """This port's model of a variant with every weight moved off its initial value, saved as
     converted weights that record their category names and options."""
+    from hf_reference import VARIANTS
     from mlx.utils import tree_flatten, tree_map
 
     from deformable_detr.convert import save_converted
@@ -259,7 +225,7 @@ def port_model(variant: str, tmp_path, width: int = 64):
     return model, weights
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["base", "single_scale", "refine", "refine+two_stage"])
 def test_exported_to_huggingface_loads_in_transformers_with_our_outputs(variant, tmp_path):
     from deformable_detr.export import main as export_main
 

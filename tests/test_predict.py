@@ -36,35 +36,14 @@ def picture(width, height, seed):
 @pytest.fixture(scope="module", params=["base", "refine+two_stage"])
 def huggingface(request, tmp_path_factory):
     """A random Hugging Face Deformable DETR, its weights converted, a config for predict, two images."""
-    torch = pytest.importorskip("torch", reason="the PyTorch reference (dev extra)")
-    transformers = pytest.importorskip("transformers", reason="the Hugging Face reference (dev extra)")
+    pytest.importorskip("torch", reason="the PyTorch reference (dev extra)")
+    pytest.importorskip("transformers", reason="the Hugging Face reference (dev extra)")
+    from hf_reference import huggingface_model
+
     from deformable_detr.convert import main as convert_main
 
     tmp = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    two_stage = request.param != "base"
-    config = transformers.DeformableDetrConfig(
-        use_timm_backbone=False,
-        use_pretrained_backbone=False,
-        backbone_config=transformers.ResNetConfig(out_features=["stage2", "stage3", "stage4"]),
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        num_queries=20,
-        num_labels=7,
-        dropout=0.0,
-        with_box_refine=two_stage,
-        two_stage=two_stage,
-        two_stage_num_proposals=20,
-    )
-    hf = transformers.DeformableDetrForObjectDetection(config).eval()
-    with torch.no_grad():  # offsets and weights far from their initialisation, so the points spread
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
+    hf = huggingface_model(request.param)  # offsets and weights far from their initialisation: the points spread
     hf.save_pretrained(tmp / "hf")
     convert_main([str(tmp / "hf"), str(tmp / "weights.safetensors")])
     from deformable_detr.convert import convert
