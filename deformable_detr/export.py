@@ -178,8 +178,8 @@ def to_huggingface(state: dict, backbone: str) -> dict:
     return out
 
 
-def huggingface_config(model: dict, names: dict, backbone: str, data: dict) -> dict:
-    """config.json of `DeformableDetrForObjectDetection` for this port's ModelConfig (as a dict)."""
+def backbone_fields(model: dict, backbone: str) -> dict:
+    """config.json's backbone: timm's ResNet by name (width 64 only) or transformers' own (no DC5)."""
     width, name = model.get("backbone_width", 64), model["backbone"]
     if backbone == "timm" and width != 64:
         raise ConversionError(
@@ -187,28 +187,29 @@ def huggingface_config(model: dict, names: dict, backbone: str, data: dict) -> d
         )
     if backbone == "transformers" and model["dilation"]:
         raise ConversionError("a DC5 backbone (dilation): transformers' ResNet has none; use --hf-backbone timm")
+    fields = {"use_timm_backbone": backbone == "timm", "use_pretrained_backbone": False, "dilation": model["dilation"]}
+    if backbone == "timm":
+        return {**fields, "backbone": name, "backbone_config": None}
     depths, block = RESNETS[name]
     expansion = 4 if block == "bottleneck" else 1
-    stages = ["stage4"] if model["num_feature_levels"] == 1 else ["stage2", "stage3", "stage4"]
-    classes = model["num_classes"]
-    id2label = {str(i): names.get(i, "N/A" if names else f"LABEL_{i}") for i in range(classes)}
-    config = {
+    resnet = {
+        "model_type": "resnet",
+        "embedding_size": width,
+        "hidden_sizes": [width * expansion * 2**i for i in range(4)],
+        "depths": depths,
+        "layer_type": block,
+        "out_features": ["stage4"] if model["num_feature_levels"] == 1 else ["stage2", "stage3", "stage4"],
+    }
+    return {**fields, "backbone": None, "backbone_config": resnet}
+
+
+def huggingface_config(model: dict, names: dict, backbone: str) -> dict:
+    """config.json of `DeformableDetrForObjectDetection` for this port's ModelConfig (as a dict)."""
+    id2label = {str(i): names.get(i, "N/A" if names else f"LABEL_{i}") for i in range(model["num_classes"])}
+    return {
         "architectures": ["DeformableDetrForObjectDetection"],
         "model_type": "deformable_detr",
-        "use_timm_backbone": backbone == "timm",
-        "backbone": name if backbone == "timm" else None,
-        "use_pretrained_backbone": False,
-        "dilation": model["dilation"],
-        "backbone_config": None
-        if backbone == "timm"
-        else {
-            "model_type": "resnet",
-            "embedding_size": width,
-            "hidden_sizes": [width * expansion * 2**i for i in range(4)],
-            "depths": depths,
-            "layer_type": block,
-            "out_features": stages,
-        },
+        **backbone_fields(model, backbone),
         "num_channels": 3,
         "d_model": model["hidden_dim"],
         "encoder_layers": model["enc_layers"],
@@ -231,7 +232,11 @@ def huggingface_config(model: dict, names: dict, backbone: str, data: dict) -> d
         "id2label": id2label,
         "label2id": {label: int(i) for i, label in id2label.items()},
     }
-    processor = {  # what transformers' pipelines resize and normalise images with: as eval here
+
+
+def image_processor_config(data: dict) -> dict:
+    """preprocessor_config.json: what transformers' pipelines resize and normalise with, as eval here."""
+    return {
         "image_processor_type": "DeformableDetrImageProcessor",
         "format": "coco_detection",
         "do_resize": True,
@@ -243,7 +248,6 @@ def huggingface_config(model: dict, names: dict, backbone: str, data: dict) -> d
         "image_std": [0.229, 0.224, 0.225],
         "do_pad": True,
     }
-    return config, processor
 
 
 def export_huggingface(src, out_dir: Path, config_path=None, raw: bool = False, backbone: str = "timm") -> str:
@@ -256,7 +260,8 @@ def export_huggingface(src, out_dir: Path, config_path=None, raw: bool = False, 
     weights, _ = read_port_weights(src, raw)
     cfg = config_to_dict(load_config(config_path) if config_path else config_from_weights(src))
     model = {**cfg["model"], "num_classes": int(weights["class_embed.0.bias"].shape[0])}
-    hf_config, processor = huggingface_config(model, read_weights(src, raw).class_names, backbone, cfg["data"])
+    hf_config = huggingface_config(model, read_weights(src, raw).class_names, backbone)
+    processor = image_processor_config(cfg["data"])
     state = to_authors(weights)
     hf_state = to_huggingface(state, backbone)
     back = sanitize(huggingface_to_authors(hf_state), source=str(src))  # as convert reads it
