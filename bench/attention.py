@@ -30,12 +30,25 @@ from torch_reference import ms_deform_attn_core  # noqa: E402  (the authors' cor
 ENCODER = dict(batch=2, shapes=((100, 134), (50, 67), (25, 34), (13, 17)), heads=8, channels=32, points=4)
 
 
-def inputs(batch, shapes, heads, channels, points, seed=0):
+def inputs(batch, shapes, heads, channels, points, seed=0, where="uniform"):
+    """`where`: "uniform" points anywhere on each level, or "encoder" points as the encoder's: around
+    each token's own position (its pixel centre, seen from every level), 2 pixels of the level apart."""
     rng = np.random.default_rng(seed)
     length = sum(h * w for h, w in shapes)
     queries = length  # the encoder: every token queries
     value = rng.standard_normal((batch, length, heads, channels), dtype=np.float32)
-    locations = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points, 2)).astype(np.float32)
+    if where == "uniform":
+        locations = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points, 2)).astype(np.float32)
+    else:
+        centres = np.concatenate(
+            [
+                np.stack(np.meshgrid((np.arange(w) + 0.5) / w, (np.arange(h) + 0.5) / h), -1).reshape(-1, 2)
+                for h, w in shapes
+            ]
+        )  # (L, 2) x, y
+        sides = np.array([[w, h] for h, w in shapes], np.float64)  # (levels, 2)
+        offsets = rng.normal(0, 2, (batch, queries, heads, len(shapes), points, 2)) / sides[:, None, :]
+        locations = np.clip(centres[None, :, None, None, None, :] + offsets, 0, 1).astype(np.float32)
     weights = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points)).astype(np.float32)
     return value, locations, weights
 
@@ -110,14 +123,17 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--torch-device", choices=["cpu", "cuda"], default="cpu", help="where the torch core runs")
     parser.add_argument("--output", type=Path, help="also write the table to this file, and a chart beside it (.png)")
+    parser.add_argument(
+        "--points", choices=["uniform", "encoder"], default="uniform", help="uniform, or near each token (encoder-like)"
+    )
     args = parser.parse_args(argv)
 
     shapes = ENCODER["shapes"]
-    arrays = inputs(**ENCODER)
+    arrays = inputs(**ENCODER, where=args.points)
     b, q, h, levels, p, _ = arrays[1].shape
     lines = [
         f"ms_deform_attn, encoder shape: B={b}, Q=L={q}, levels {list(shapes)}, "
-        f"{h} heads x {ENCODER['channels']} channels, {p} points, float32",
+        f"{h} heads x {ENCODER['channels']} channels, {p} points ({args.points}), float32",
         f"machine: {platform.machine()}, {platform.system()}, python {platform.python_version()}, "
         f"mlx {mx.__version__} ({mx.default_device()})",
     ]
