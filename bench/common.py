@@ -1,8 +1,13 @@
-"""What the benchmark scripts share: the timing rule, image sizes as arguments, the charts (pillow only)."""
+"""What the benchmark scripts share: the timing rule, measuring in a process of its own, image sizes
+as arguments, writing the report, the charts (pillow only)."""
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from PIL import Image, ImageDraw
 
@@ -18,6 +23,24 @@ def median_time(run, repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def measured(command: list, env: dict, what: str) -> dict:
+    """Run a measuring process (its peak memory its own) and return the JSON of its last line; a
+    failure stops the script with the process's error."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"error: {what} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report(lines: list, path: Path) -> str:
+    """Print the report and write it to `path`."""
+    text = "\n".join(lines)
+    print(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    return text
 
 
 def image_sizes(text: str) -> list[tuple[int, int]]:

@@ -11,13 +11,13 @@ warm-up.
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from deformable_detr.cli import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measured, report  # noqa: E402
 from common import median_time as median  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,15 +85,8 @@ def main(argv=None):
     sides = {}
     for side in ("mlx", "torch"):
         env = runtime_environment() if side == "mlx" else {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        done = subprocess.run(
-            [sys.executable, __file__, "--measure", side, "--repeats", str(args.repeats)],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode:
-            sys.exit(f"error: the {side} side failed:\n{done.stderr[-3000:]}")
-        sides[side] = json.loads(done.stdout.strip().splitlines()[-1])
+        command = [sys.executable, __file__, "--measure", side, "--repeats", str(args.repeats)]
+        sides[side] = measured(command, env, f"the {side} side")
     lines = [
         f"forward, seconds, median of {args.repeats} after a warm-up; ratio = PyTorch / MLX (< 1: MLX slower)",
         "",
@@ -104,9 +97,7 @@ def main(argv=None):
         mine, theirs = sides["mlx"][key], sides["torch"][key]
         name = "ResNet-50 at 800 x 1066 (this port's backbone / transformers')" if key == "resnet50" else key
         lines.append(f"| {name} | {theirs:.4f} | {mine:.4f} | {theirs / mine:.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    args.output.write_text(text + "\n")
+    report(lines, args.output)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ the weights (measured after they are evaluated); the optimizer's state is not in
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from deformable_detr.cli import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import image_sizes  # noqa: E402
+from common import image_sizes, measured  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = {
@@ -92,10 +91,7 @@ def main(argv=None):
     ]
     for name, parts in PARTS.items():
         command = [sys.executable, __file__, "--size", f"{size[0]}x{size[1]}", "--measure", json.dumps(parts)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode:
-            sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = measured(command, env, name)
         lines.append(f"| {name} | {result['peak_mib']:.0f} | {result['seconds']:.1f} |")
         print(lines[-1], flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)

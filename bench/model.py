@@ -24,13 +24,12 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from common import bars, image_sizes, median_time  # noqa: E402
+from common import bars, image_sizes, measured, median_time  # noqa: E402
 
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 
@@ -142,10 +141,7 @@ def run_side(side, task, repeats, size, threads, checkpointing=False):
     command = [sys.executable, __file__, "--measure", side, "--task", task, "--repeats", str(repeats)]
     command += ["--threads", str(threads), "--train-size", f"{size[0]}x{size[1]}"]
     command += ["--checkpointing"] if checkpointing else []
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"{side} {task} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return measured(command, env, f"{side} {task}")
 
 
 @entry_point(runtime=False)

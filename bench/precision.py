@@ -13,14 +13,13 @@ measured processes start as `train.py` does (MKL preloaded, `runtime.runtime_env
 import argparse
 import json
 import resource
-import subprocess
 import sys
 from pathlib import Path
 
 from deformable_detr.cli import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import image_sizes, median_time  # noqa: E402
+from common import image_sizes, measured, median_time, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,10 +74,7 @@ def main(argv=None):
     for precision in ("float32", "bfloat16"):
         command = [sys.executable, __file__, "--measure", precision, "--size", f"{size[0]}x{size[1]}"]
         command += ["--repeats", str(args.repeats)]
-        done = subprocess.run(command, env=runtime_environment(), capture_output=True, text=True)
-        if done.returncode:
-            sys.exit(f"error: the {precision} step failed:\n{done.stderr[-3000:]}")
-        results[precision] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[precision] = measured(command, runtime_environment(), f"the {precision} step")
         print(precision, results[precision], flush=True)
     base = results["float32"]
     lines = [
@@ -93,10 +89,7 @@ def main(argv=None):
             f"| {precision} | {r['seconds']:.2f} | {r['seconds'] / base['seconds']:.2f} | {r['mlx_peak_mib']:.0f} "
             f"| {r['peak_rss_mib']:.0f} | {r['first_loss']:.4f} |"
         )
-    text = "\n".join(lines)
-    print(text)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text + "\n")
+    report(lines, args.output)
 
 
 if __name__ == "__main__":

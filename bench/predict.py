@@ -25,7 +25,7 @@ from pathlib import Path
 from deformable_detr.cli import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import image_sizes, median_time  # noqa: E402
+from common import image_sizes, median_time, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
@@ -135,10 +135,7 @@ def main(argv=None):
         "",
         f"an unrecorded forward's 18 checks of `recorder is not None`: {r50['check_per_forward_s'] * 1e6:.2f} us",
     ]
-    text = "\n".join(lines)
-    print(text)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text + "\n")
+    report(lines, args.output)
 
 
 if __name__ == "__main__":

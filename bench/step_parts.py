@@ -12,7 +12,6 @@ of `--repeats` after a warm-up, each setting in its own process, started as trai
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 from deformable_detr.cli import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import image_sizes  # noqa: E402
+from common import image_sizes, measured, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("backbone", "encoder", "decoder and heads", "matching and losses", "backward", "optimizer")
@@ -123,12 +122,8 @@ def main(argv=None):
     results = {}
     for setting in ("off", "on"):
         command = [sys.executable, __file__, "--measure", setting, "--size", f"{size[0]}x{size[1]}"]
-        done = subprocess.run(
-            command + ["--repeats", str(args.repeats)], env=runtime_environment(), capture_output=True, text=True
-        )
-        if done.returncode:
-            sys.exit(f"error: the step with checkpointing {setting} failed:\n{done.stderr[-3000:]}")
-        results[setting] = json.loads(done.stdout.strip().splitlines()[-1])
+        command += ["--repeats", str(args.repeats)]
+        results[setting] = measured(command, runtime_environment(), f"the step with checkpointing {setting}")
         print(setting, results[setting], flush=True)
     lines = [
         f"R50 training step (configs/r50.yaml), micro-batch 2 x {size[0]} x {size[1]}, median of {args.repeats} "
@@ -139,10 +134,7 @@ def main(argv=None):
     ]
     for part in (*PARTS, "step"):
         lines.append(f"| {part} | {results['off'][part]:.2f} | {results['on'][part]:.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text + "\n")
+    report(lines, args.output)
 
 
 if __name__ == "__main__":

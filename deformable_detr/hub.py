@@ -8,6 +8,7 @@ The conversion to this port's layout is done once per snapshot and kept in this 
 
 import json
 import os
+from functools import cache
 from pathlib import Path
 
 PREFIX = "hf://"
@@ -77,7 +78,14 @@ def _fetch(reference: str, repo: str, revision, filename: str) -> Path:
 
 
 def snapshot(reference: str) -> Path:
-    """The local snapshot folder of `reference` holding its config.json and weights (fetched if need be)."""
+    """The local snapshot folder of `reference` holding its config.json and weights (fetched if need
+    be). Asked once a process for each cache and mode: a command reads its weights more than once
+    (their config, then the model), and online each ask is a request to the Hub per file."""
+    return _snapshot(reference, hub_cache(), offline())
+
+
+@cache
+def _snapshot(reference: str, hub_dir: Path, offline_only: bool) -> Path:
     repo, revision = parse(reference)
     config = _fetch(reference, repo, revision, "config.json")
     try:

@@ -91,8 +91,11 @@ def test_a_hub_reference_is_converting_its_folder_once(hub, monkeypatch):
 
     import deformable_detr.convert
 
+    import huggingface_hub
+
     with monkeypatch.context() as patched:
         patched.setattr(deformable_detr.convert, "convert", lambda *a, **k: pytest.fail("converted twice"))
+        patched.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("asked the Hub twice"))
         assert read_weights("hf://ORG/detr").path == from_hub.path  # kept, keyed by the snapshot
     v1 = read_weights("hf://ORG/detr@v1")
     assert v1.path == converted / f"{OTHER_COMMIT}.safetensors" and not v1.model_options["two_stage"]
