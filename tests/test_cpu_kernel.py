@@ -43,6 +43,29 @@ def test_cpu_kernel_channel_counts(channels, rng):
     assert_same(*ms_deform_attn_both_ways(shapes, args, "cpu"), F32)
 
 
+def test_cpu_kernel_rounds_locations_as_pytorch_on_pixel_centres(rng):
+    """The encoder's first locations: pixel centres (i + 0.5) / W plus whole-pixel offsets k / W, in
+    float32. PyTorch and the MLX path round u * W, then - 0.5, and such a point lands on a pixel; a
+    fused multiply-add rounds once, can miss it by an ulp and take the other one-sided gradient."""
+    shapes = ((10, 19), (11, 20))
+    heads, points, queries = 2, 3, 60
+    f32 = np.float32
+    locations = np.empty((1, queries, heads, len(shapes), points, 2), f32)
+    for level, (h, w) in enumerate(shapes):
+        for axis, size in ((0, w), (1, h)):
+            cells = rng.integers(0, size, (queries, heads, points)).astype(f32)
+            steps = rng.integers(-3, 4, (queries, heads, points)).astype(f32)
+            locations[0, :, :, level, :, axis] = (cells + f32(0.5)) / f32(size) + steps / f32(size)
+    u, sizes = locations[0, ..., 0], np.array([w for _, w in shapes], f32)[None, None, :, None]
+    rounded_twice = np.floor((u * sizes).astype(f32) - f32(0.5))
+    rounded_once = np.floor((u.astype(np.float64) * sizes - 0.5).astype(f32))
+    assert (rounded_twice != rounded_once).sum() > 10  # the points where the two differ are there
+    value = rng.standard_normal((1, sum(h * w for h, w in shapes), heads, 32)).astype(f32)
+    weights = rng.uniform(0, 1, (1, queries, heads, len(shapes), points)).astype(f32)
+    args = [mx.array(a) for a in (value, locations, weights)]
+    assert_same(*ms_deform_attn_both_ways(shapes, args, "cpu"), dict(rtol=1e-4, atol=1e-4))
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_cpu_kernel_half_precision(dtype, rng):
     shapes = shapes_for(False)
@@ -51,17 +74,19 @@ def test_cpu_kernel_half_precision(dtype, rng):
     assert_same(*ms_deform_attn_both_ways(shapes, args, "cpu"), tolerance)
 
 
-def test_cpu_kernel_threads_split_rows_not_results(rng, monkeypatch):
-    """One thread or three: the same output bit for bit (rows are independent), the same gradients
-    up to the order in which the per-thread value gradients are summed."""
+def test_cpu_kernel_threads_split_work_not_results(rng, monkeypatch):
+    """One thread or three: the same output and gradients bit for bit (the forward's samples are
+    independent; in the backward each (batch, head) pair is one thread's, its queries in order)."""
     shapes = shapes_for(False)
     args = ms_inputs(rng, shapes, False, batch=2, queries=29)
     results = []
     for count in (1, 3):
         monkeypatch.setattr(cpu, "threads", lambda count=count: count)
+        cpu.ms_deform_attn_core.cache_clear()  # the thread count is fixed when a core is made
         results.append(ms_deform_attn_both_ways(shapes, args, "cpu")[0])
-    np.testing.assert_array_equal(np.array(results[0][0]), np.array(results[1][0]))
-    assert_same(results[1], results[0], dict(rtol=1e-6, atol=1e-6))
+    cpu.ms_deform_attn_core.cache_clear()
+    for one, three in zip(*results, strict=True):
+        np.testing.assert_array_equal(np.array(one), np.array(three))
 
 
 def test_default_backend_on_the_cpu_device_is_the_cpu_kernel_except_float64():

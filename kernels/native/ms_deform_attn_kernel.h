@@ -1,15 +1,19 @@
 // ms_deform_attn forward and backward on the CPU, multi-threaded, float32: the arithmetic of a
 // sample point is sampling.h's, shared with the Metal and CUDA kernels. ms_deform_attn.cpp runs it
-// inside MLX operations.
+// inside MLX operations, value as (B, H, L, C).
 //
-// Threads split the (batch, query) rows. The backward scatters the value gradient into one buffer
-// per thread (the first is the output), summed at the end: no atomics in the inner loop.
+// The forward's threads split the (batch, query, head) samples in order: one query's heads read
+// neighbouring inputs. The backward's split the (batch, head) pairs and take a pair's queries in
+// order: each thread writes the value-gradient rows of its own heads only (no atomics, no private
+// copies), and one head's rows stay in the cache while its queries scatter into them.
 
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -17,7 +21,11 @@ using std::fabs;
 using std::floor;
 using std::fmod;
 
+#if defined(__GNUC__)
+#define INLINE static inline __attribute__((always_inline))
+#else
 #define INLINE static inline
+#endif
 #define LANES 1
 INLINE uint32_t float_bits(float x) {
   uint32_t bits;
@@ -27,10 +35,15 @@ INLINE uint32_t float_bits(float x) {
 
 #include "sampling.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VECTORIZE __attribute__((target_clones("avx2", "default")))
+// On x86-64 the loops are compiled twice, for AVX2 and for the baseline, and chosen by what the CPU
+// reports. Not FMA: a fused u * size - 0.5 rounds once where PyTorch rounds twice, and a location
+// that lands on a pixel then takes the other one-sided gradient.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define WIDE_TARGET __attribute__((target("avx2")))
+static bool wide_supported() { return __builtin_cpu_supports("avx2"); }
 #else
-#define VECTORIZE
+#define WIDE_TARGET
+static bool wide_supported() { return false; }
 #endif
 
 namespace ms_deform_attn_cpu {
@@ -46,95 +59,133 @@ struct Problem {
   int padding;  // 0 zeros, 1 border
 
   int64_t value_base(int b, int head) const {
-    return value_bnlc ? int64_t(b * heads + head) * length * channels
+    return value_bnlc ? (int64_t(b) * heads + head) * length * channels
                       : (int64_t(b) * length * heads + head) * channels;
   }
   int64_t row_stride() const { return value_bnlc ? channels : int64_t(heads) * channels; }
   int64_t batch_points() const { return int64_t(queries) * heads * levels * points; }
-  int64_t location_x(int b, int64_t point) const {
-    return locations_b2qhlp ? 2 * b * batch_points() + (point - b * batch_points()) : 2 * point;
-  }
-  int64_t location_y(int b, int64_t point) const {
-    return locations_b2qhlp ? location_x(b, point) + batch_points() : 2 * point + 1;
-  }
 };
 
-// Where a point samples: taps, and d pixel / d location for each axis.
-struct Sample {
-  Taps taps;
-  float chain_x, chain_y;
-};
-
-INLINE Sample locate(const Problem& p, int level, float ux, float uy) {
-  const int height = p.spatial_shapes[2 * level];
-  const int width = p.spatial_shapes[2 * level + 1];
-  const float scale_x = p.align_corners ? float(width - 1) : float(width);
-  const float scale_y = p.align_corners ? float(height - 1) : float(height);
-  const float offset = p.align_corners ? 0.0f : 0.5f;
-  const Padded x = pad_coordinate(ux * scale_x - offset, float(width), p.padding, p.align_corners);
-  const Padded y = pad_coordinate(uy * scale_y - offset, float(height), p.padding, p.align_corners);
-  Sample s;
-  s.taps = bilinear_taps(x.x, y.x, width, height);
-  s.chain_x = x.dx * scale_x;
-  s.chain_y = y.dx * scale_y;
-  return s;
+// <a, b> over n channels in 8 partial sums: a compiler keeps a plain running sum in order, one
+// scalar add after another; 8 lanes make it one vector accumulator.
+INLINE float dot(const float* __restrict__ a, const float* __restrict__ b, int n) {
+  float lanes[8] = {};
+  int c = 0;
+  for (; c + 8 <= n; c += 8) {
+    for (int j = 0; j < 8; ++j) {
+      lanes[j] += a[c + j] * b[c + j];
+    }
+  }
+  for (; c < n; ++c) {
+    lanes[0] += a[c] * b[c];
+  }
+  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
 }
 
 template <typename Work>
-void parallel_rows(int rows, int threads, Work work) {
-  threads = threads < 1 ? 1 : (threads > rows ? (rows > 0 ? rows : 1) : threads);
+void parallel_rows(int64_t rows, int threads, Work work) {
+  threads = threads < 1 ? 1 : (threads > rows ? (rows > 0 ? int(rows) : 1) : threads);
   std::vector<std::thread> pool;
   for (int t = 1; t < threads; ++t) {
-    pool.emplace_back(work, t, int64_t(rows) * t / threads, int64_t(rows) * (t + 1) / threads);
+    pool.emplace_back(work, t, rows * t / threads, rows * (t + 1) / threads);
   }
-  work(0, 0, int64_t(rows) / threads);
+  work(0, 0, rows / threads);
   for (auto& thread : pool) {
     thread.join();
   }
 }
 
-// CHANNELS > 0 fixes the channel count at compile time (the model's 32), so that the channel loops
-// unroll into whole vectors; 0 reads it from the problem.
-// The taps of one (batch, query, head): every level and point, located first and their rows
-// prefetched, so that the memory reads of the 4 * levels * points rows overlap.
+// The taps of one (batch, query, head): every level and point, located first (one loop over the
+// points that the compiler turns into vector code) and their rows prefetched, so that the memory
+// reads of the 4 * levels * points rows overlap.
 struct Gathered {
-  std::vector<int64_t> row;  // element offset of the tap's row in value
+  int n;  // points of a sample: levels * points
+  // per point, fixed by the problem
+  std::vector<float> scale_x, scale_y, width_f, height_f;
+  std::vector<int> width, height, start;
+  // per point of the current sample
+  std::vector<float> ux, uy, attention, chain_x, chain_y;
+  int64_t first_point, location_x0, location_y0, location_stride;  // where its inputs are
+  // per tap
+  std::vector<int> index;
   std::vector<float> weight, dx, dy;
-  std::vector<float> chain_x, chain_y, attention;  // per point
-  std::vector<int64_t> location_x, location_y, point;
+  std::vector<int64_t> row;  // element offset of the tap's row in value
 
   explicit Gathered(const Problem& p)
-      : row(4 * p.levels * p.points), weight(row.size()), dx(row.size()), dy(row.size()),
-        chain_x(p.levels * p.points), chain_y(chain_x.size()), attention(chain_x.size()),
-        location_x(chain_x.size()), location_y(chain_x.size()), point(chain_x.size()) {}
+      : n(p.levels * p.points), scale_x(n), scale_y(n), width_f(n), height_f(n), width(n), height(n), start(n),
+        ux(n), uy(n), attention(n), chain_x(n), chain_y(n), index(4 * n), weight(4 * n), dx(4 * n), dy(4 * n),
+        row(4 * n) {
+    for (int i = 0; i < n; ++i) {
+      const int level = i / p.points;
+      height[i] = p.spatial_shapes[2 * level];
+      width[i] = p.spatial_shapes[2 * level + 1];
+      height_f[i] = float(height[i]);
+      width_f[i] = float(width[i]);
+      scale_x[i] = p.align_corners ? float(width[i] - 1) : float(width[i]);
+      scale_y[i] = p.align_corners ? float(height[i] - 1) : float(height[i]);
+      start[i] = p.level_start_index[level];
+    }
+  }
+
+  template <int PADDING>
+  __attribute__((always_inline)) void locate_points(bool align_corners) {
+    const float offset = align_corners ? 0.0f : 0.5f;
+    for (int i = 0; i < n; ++i) {
+      const Padded x = pad_coordinate(ux[i] * scale_x[i] - offset, width_f[i], PADDING, align_corners);
+      const Padded y = pad_coordinate(uy[i] * scale_y[i] - offset, height_f[i], PADDING, align_corners);
+      const Taps taps = bilinear_taps(x.x, y.x, width[i], height[i]);
+      chain_x[i] = x.dx * scale_x[i];
+      chain_y[i] = y.dx * scale_y[i];
+      for (int k = 0; k < 4; ++k) {
+        index[4 * i + k] = start[i] + taps.index[k];
+        weight[4 * i + k] = taps.weight[k];
+        dx[4 * i + k] = taps.dx[k];
+        dy[4 * i + k] = taps.dy[k];
+      }
+    }
+  }
+
+  int64_t location_x(int i) const { return location_x0 + i * location_stride; }
+  int64_t location_y(int i) const { return location_y0 + i * location_stride; }
+  int64_t point(int i) const { return first_point + i; }
 
   // Prefetches the rows of value and, in the backward, of the value gradient (to be written).
-  void locate_all(const Problem& p, int64_t sample, int b, int head, const float* grad_value = nullptr) {
+  __attribute__((always_inline)) void locate_all(const Problem& p, int64_t sample, int b, int head,
+                                                 const float* grad_value = nullptr) {
+    first_point = sample * n;
+    if (p.locations_b2qhlp) {
+      location_x0 = 2 * b * p.batch_points() + (first_point - b * p.batch_points());
+      location_y0 = location_x0 + p.batch_points();
+      location_stride = 1;
+    } else {
+      location_x0 = 2 * first_point;
+      location_y0 = location_x0 + 1;
+      location_stride = 2;
+    }
+    for (int i = 0; i < n; ++i) {
+      ux[i] = p.locations[location_x(i)];
+      uy[i] = p.locations[location_y(i)];
+      attention[i] = p.weights[first_point + i];
+    }
+    switch (p.padding) {  // a loop per padding mode: without branches in it, it is vector code
+      case 1:
+        locate_points<1>(p.align_corners);
+        break;
+      case 2:
+        locate_points<2>(p.align_corners);
+        break;
+      default:
+        locate_points<0>(p.align_corners);
+    }
     const int64_t base = p.value_base(b, head);
     const int64_t row_stride = p.row_stride();
-    for (int level = 0, i = 0; level < p.levels; ++level) {
-      const int start = p.level_start_index[level];
-      for (int point_index = 0; point_index < p.points; ++point_index, ++i) {
-        point[i] = (sample * p.levels + level) * p.points + point_index;
-        location_x[i] = p.location_x(b, point[i]);
-        location_y[i] = p.location_y(b, point[i]);
-        const Sample s = locate(p, level, p.locations[location_x[i]], p.locations[location_y[i]]);
-        attention[i] = p.weights[point[i]];
-        chain_x[i] = s.chain_x;
-        chain_y[i] = s.chain_y;
-        for (int k = 0; k < 4; ++k) {
-          const int t = 4 * i + k;
-          row[t] = base + (start + s.taps.index[k]) * row_stride;
-          weight[t] = s.taps.weight[k];
-          dx[t] = s.taps.dx[k];
-          dy[t] = s.taps.dy[k];
-          __builtin_prefetch(p.value + row[t]);
-          __builtin_prefetch(p.value + row[t] + 16);
-          if (grad_value != nullptr) {
-            __builtin_prefetch(grad_value + row[t], 1);
-            __builtin_prefetch(grad_value + row[t] + 16, 1);
-          }
-        }
+    for (int t = 0; t < 4 * n; ++t) {
+      row[t] = base + index[t] * row_stride;
+      __builtin_prefetch(p.value + row[t]);
+      __builtin_prefetch(p.value + row[t] + 16);
+      if (grad_value != nullptr) {
+        __builtin_prefetch(grad_value + row[t], 1);
+        __builtin_prefetch(grad_value + row[t] + 16, 1);
       }
     }
   }
@@ -143,110 +194,133 @@ struct Gathered {
 // CHANNELS > 0 fixes the channel count at compile time (the model's 32), so that the channel loops
 // unroll into whole vectors; 0 reads it from the problem.
 template <int CHANNELS>
-VECTORIZE void forward_rows(const Problem& p, float* __restrict__ output, int64_t begin, int64_t end) {
+INLINE void forward_rows(const Problem& p, float* __restrict__ output, int64_t begin, int64_t end) {
   const int c_count = CHANNELS > 0 ? CHANNELS : p.channels;
   Gathered taps(p);
-  for (int64_t row = begin; row < end; ++row) {  // row = b * queries + q
-    const int b = int(row / p.queries);
-    for (int head = 0; head < p.heads; ++head) {
-      const int64_t sample = row * p.heads + head;
-      taps.locate_all(p, sample, b, head);
-      float* __restrict__ out = output + sample * c_count;
-      for (int c = 0; c < c_count; ++c) {
-        out[c] = 0.0f;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t sample = task;  // (b * queries + q) * heads + head
+    const int b = int(sample / (int64_t(p.queries) * p.heads)), head = int(sample % p.heads);
+    taps.locate_all(p, sample, b, head);
+    float* __restrict__ out = output + sample * c_count;
+    for (int c = 0; c < c_count; ++c) {
+      out[c] = 0.0f;
+    }
+    for (int t = 0; t < 4 * taps.n; ++t) {
+      const float w = taps.attention[t / 4] * taps.weight[t];
+      if (w == 0.0f) {
+        continue;
       }
-      for (size_t t = 0; t < taps.row.size(); ++t) {
-        const float w = taps.attention[t / 4] * taps.weight[t];
-        if (w == 0.0f) {
-          continue;
-        }
-        const float* __restrict__ v = p.value + taps.row[t];
-        for (int c = 0; c < c_count; ++c) {
-          out[c] += w * v[c];
-        }
+      const float* __restrict__ v = p.value + taps.row[t];
+      for (int c = 0; c < c_count; ++c) {
+        out[c] += w * v[c];
       }
     }
   }
 }
 
 template <int CHANNELS>
-VECTORIZE void backward_rows(const Problem& p, const float* __restrict__ grad_output, float* __restrict__ grad_value,
+INLINE void backward_rows(const Problem& p, const float* __restrict__ grad_output, float* __restrict__ grad_value,
                              float* __restrict__ grad_locations, float* __restrict__ grad_weights, int64_t begin,
                              int64_t end) {
   const int c_count = CHANNELS > 0 ? CHANNELS : p.channels;
   Gathered taps(p);
-  for (int64_t row = begin; row < end; ++row) {
-    const int b = int(row / p.queries);
-    for (int head = 0; head < p.heads; ++head) {
-      const int64_t sample = row * p.heads + head;
+  // pair = b * heads + head: one head's queries in order, so that the rows of value and of its
+  // gradient that they read stay in the cache (one head's share of value).
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int b = int(pair / p.heads), head = int(pair % p.heads);
+    for (int64_t q = 0; q < p.queries; ++q) {
+      const int64_t sample = (int64_t(b) * p.queries + q) * p.heads + head;
       taps.locate_all(p, sample, b, head, grad_value);
       const float* __restrict__ g = grad_output + sample * c_count;
-      for (size_t i = 0; i < taps.point.size(); ++i) {
+      for (int i = 0; i < taps.n; ++i) {
         const float attention = taps.attention[i];
         float slope_weight = 0.0f, slope_x = 0.0f, slope_y = 0.0f;
         for (int k = 0; k < 4; ++k) {
-          const size_t t = 4 * i + k;
+          const int t = 4 * i + k;
           const float* __restrict__ v = p.value + taps.row[t];
           float* __restrict__ gv = grad_value + taps.row[t];
           const float w = attention * taps.weight[t];
-          float dot = 0.0f;
-          for (int c = 0; c < c_count; ++c) {  // one pass: <grad, tap value> and the value gradient
-            dot += v[c] * g[c];
+          const float dot_vg = dot(v, g, c_count);
+          for (int c = 0; c < c_count; ++c) {
             gv[c] += w * g[c];
           }
-          slope_weight += taps.weight[t] * dot;
-          slope_x += taps.dx[t] * dot;
-          slope_y += taps.dy[t] * dot;
+          slope_weight += taps.weight[t] * dot_vg;
+          slope_x += taps.dx[t] * dot_vg;
+          slope_y += taps.dy[t] * dot_vg;
         }
-        grad_weights[taps.point[i]] = slope_weight;
-        grad_locations[taps.location_x[i]] = attention * slope_x * taps.chain_x[i];
-        grad_locations[taps.location_y[i]] = attention * slope_y * taps.chain_y[i];
+        grad_weights[taps.point(i)] = slope_weight;
+        grad_locations[taps.location_x(i)] = attention * slope_x * taps.chain_x[i];
+        grad_locations[taps.location_y(i)] = attention * slope_y * taps.chain_y[i];
       }
     }
   }
+}
+
+template <int CHANNELS>
+WIDE_TARGET void forward_rows_wide(const Problem& p, float* output, int64_t begin, int64_t end) {
+  forward_rows<CHANNELS>(p, output, begin, end);
+}
+template <int CHANNELS>
+void forward_rows_plain(const Problem& p, float* output, int64_t begin, int64_t end) {
+  forward_rows<CHANNELS>(p, output, begin, end);
+}
+template <int CHANNELS>
+WIDE_TARGET void backward_rows_wide(const Problem& p, const float* grad_output, float* grad_value,
+                                    float* grad_locations, float* grad_weights, int64_t begin, int64_t end) {
+  backward_rows<CHANNELS>(p, grad_output, grad_value, grad_locations, grad_weights, begin, end);
+}
+template <int CHANNELS>
+void backward_rows_plain(const Problem& p, const float* grad_output, float* grad_value, float* grad_locations,
+                         float* grad_weights, int64_t begin, int64_t end) {
+  backward_rows<CHANNELS>(p, grad_output, grad_value, grad_locations, grad_weights, begin, end);
 }
 
 // value (B, L, H, C) or (B, H, L, C); locations (B, Q, H, levels, points, 2) or (B, 2, Q, H, levels,
 // points); weights (B, Q, H, levels, points); output (B, Q, H * C).
 inline void forward(const Problem& p, int threads, float* output) {
-  parallel_rows(p.batch * p.queries, threads, [&](int, int64_t begin, int64_t end) {
-    if (p.channels == 32) {
-      forward_rows<32>(p, output, begin, end);
-    } else {
-      forward_rows<0>(p, output, begin, end);
+  static const bool wide = wide_supported();
+  const auto rows = p.channels == 32 ? (wide ? forward_rows_wide<32> : forward_rows_plain<32>)
+                                     : (wide ? forward_rows_wide<0> : forward_rows_plain<0>);
+  parallel_rows(int64_t(p.batch) * p.queries * p.heads, threads, [&](int, int64_t begin, int64_t end) { rows(p, output, begin, end); });
+}
+
+// from (B, first, second, C) to (B, second, first, C): threads copy rows of C.
+inline void swap_axes(const float* from, float* to, int batch, int first, int second, int channels, int threads) {
+  parallel_rows(int64_t(batch) * second, threads, [&](int, int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / second, j = row % second;
+      for (int64_t i = 0; i < first; ++i) {
+        std::memcpy(to + ((b * second + j) * first + i) * channels, from + ((b * first + i) * second + j) * channels,
+                    sizeof(float) * channels);
+      }
     }
   });
 }
 
-// grad_value must hold zeros; grad_locations and grad_weights are written in full.
+// grad_value must hold zeros; grad_locations and grad_weights are written in full. Threads split
+// the (batch, head) pairs. A (B, L, H, C) value is taken through (B, H, L, C) copies, value and its
+// gradient: in that order one head's rows are one block (the uniform points of bench/attention.py:
+// 0.55 s without the copies, 0.16 s with them).
 inline void backward(const Problem& p, int threads, const float* grad_output, float* grad_value,
                      float* grad_locations, float* grad_weights) {
-  const int rows = p.batch * p.queries;
-  threads = threads < 1 ? 1 : (threads > rows ? (rows > 0 ? rows : 1) : threads);
-  const int64_t size = int64_t(p.batch) * p.length * p.heads * p.channels;
-  std::vector<std::vector<float>> private_buffers(threads - 1, std::vector<float>());
-  parallel_rows(rows, threads, [&](int t, int64_t begin, int64_t end) {
-    float* buffer = grad_value;
-    if (t > 0) {
-      private_buffers[t - 1].assign(size, 0.0f);
-      buffer = private_buffers[t - 1].data();
-    }
-    if (p.channels == 32) {
-      backward_rows<32>(p, grad_output, buffer, grad_locations, grad_weights, begin, end);
-    } else {
-      backward_rows<0>(p, grad_output, buffer, grad_locations, grad_weights, begin, end);
-    }
-  });
-  if (threads > 1) {  // sum the private buffers into the output, split by element ranges
-    parallel_rows(threads, threads, [&](int t, int64_t, int64_t) {
-      const int64_t lo = size * t / threads, hi = size * (t + 1) / threads;
-      for (const auto& buffer : private_buffers) {
-        for (int64_t i = lo; i < hi; ++i) {
-          grad_value[i] += buffer[i];
-        }
-      }
-    });
+  if (!p.value_bnlc) {
+    const int64_t size = int64_t(p.batch) * p.length * p.heads * p.channels;
+    std::unique_ptr<float[]> value(new float[size]);
+    std::vector<float> grad(size, 0.0f);
+    swap_axes(p.value, value.get(), p.batch, p.length, p.heads, p.channels, threads);
+    Problem by_head = p;
+    by_head.value = value.get();
+    by_head.value_bnlc = true;
+    backward(by_head, threads, grad_output, grad.data(), grad_locations, grad_weights);
+    swap_axes(grad.data(), grad_value, p.batch, p.heads, p.length, p.channels, threads);
+    return;
   }
+  static const bool wide = wide_supported();
+  const auto rows = p.channels == 32 ? (wide ? backward_rows_wide<32> : backward_rows_plain<32>)
+                                     : (wide ? backward_rows_wide<0> : backward_rows_plain<0>);
+  parallel_rows(int64_t(p.batch) * p.heads, threads, [&](int, int64_t begin, int64_t end) {
+    rows(p, grad_output, grad_value, grad_locations, grad_weights, begin, end);
+  });
 }
 
 }  // namespace ms_deform_attn_cpu
