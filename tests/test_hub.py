@@ -89,9 +89,9 @@ def test_a_hub_reference_is_converting_its_folder_once(hub, monkeypatch):
     assert from_hub.class_names == {1: "cat", 2: "dog", 4: "bird", 5: "fish", 6: "frog"}  # id2label, less N/A
     assert from_hub.model_options["two_stage"] and from_hub.config_file == "r50_two_stage.yaml"
 
-    import deformable_detr.convert
-
     import huggingface_hub
+
+    import deformable_detr.convert
 
     with monkeypatch.context() as patched:
         patched.setattr(deformable_detr.convert, "convert", lambda *a, **k: pytest.fail("converted twice"))
