@@ -95,9 +95,9 @@ void parallel_rows(int64_t rows, int threads, Work work) {
   }
 }
 
-// The taps of one (batch, query, head): every level and point, located first (one loop over the
-// points that the compiler turns into vector code) and their rows prefetched, so that the memory
-// reads of the 4 * levels * points rows overlap.
+// The taps of one (batch, query, head): every level and point, located first (from per-point copies
+// of the levels' sizes) and their rows prefetched, so that the memory reads of the 4 * levels *
+// points rows overlap.
 struct Gathered {
   int n;  // points of a sample: levels * points
   // per point, fixed by the problem
@@ -167,15 +167,10 @@ struct Gathered {
       uy[i] = p.locations[location_y(i)];
       attention[i] = p.weights[first_point + i];
     }
-    switch (p.padding) {  // a loop per padding mode: without branches in it, it is vector code
-      case 1:
-        locate_points<1>(p.align_corners);
-        break;
-      case 2:
-        locate_points<2>(p.align_corners);
-        break;
-      default:
-        locate_points<0>(p.align_corners);
+    if (p.padding == 1) {  // the padding mode fixed for the loop over the points
+      locate_points<1>(p.align_corners);
+    } else {
+      locate_points<0>(p.align_corners);
     }
     const int64_t base = p.value_base(b, head);
     const int64_t row_stride = p.row_stride();
