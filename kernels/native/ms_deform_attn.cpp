@@ -80,10 +80,8 @@ class MSDeformAttnBackward : public mx::Primitive {
       require_contiguous(inputs);
       const auto starts = level_starts(spec);
       const auto p = problem(inputs, spec, starts);
-      float* grad_value = outputs[0].data<float>();
-      std::fill(grad_value, grad_value + outputs[0].size(), 0.0f);
-      ms_deform_attn_cpu::backward(p, threads, inputs[3].data<float>(), grad_value, outputs[1].data<float>(),
-                                   outputs[2].data<float>());
+      ms_deform_attn_cpu::backward(p, threads, inputs[3].data<float>(), outputs[0].data<float>(),
+                                   outputs[1].data<float>(), outputs[2].data<float>());
     });
   }
   void eval_gpu(const std::vector<array>&, std::vector<array>&) override {

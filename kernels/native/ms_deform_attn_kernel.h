@@ -1,6 +1,6 @@
 // ms_deform_attn forward and backward on the CPU, multi-threaded, float32: the arithmetic of a
 // sample point is sampling.h's, shared with the Metal and CUDA kernels. ms_deform_attn.cpp runs it
-// inside MLX operations, value as (B, H, L, C).
+// inside MLX operations.
 //
 // The forward's threads split the (batch, query, head) samples in order: one query's heads read
 // neighbouring inputs. The backward's split the (batch, head) pairs and take a pair's queries in
@@ -292,24 +292,24 @@ inline void swap_axes(const float* from, float* to, int batch, int first, int se
   });
 }
 
-// grad_value must hold zeros; grad_locations and grad_weights are written in full. Threads split
-// the (batch, head) pairs. A (B, L, H, C) value is taken through (B, H, L, C) copies, value and its
-// gradient: in that order one head's rows are one block (the uniform points of bench/attention.py:
-// 0.55 s without the copies, 0.16 s with them).
+// Every gradient is written in full. Threads split the (batch, head) pairs. A (B, L, H, C) value is
+// taken through (B, H, L, C) copies of it and of its gradient: in that order one head's rows are one
+// block (uniform points, the kernel alone: backward 0.55-0.67 s on (B, L, H, C), 0.29-0.35 s on
+// (B, H, L, C), kernels/README.md).
 inline void backward(const Problem& p, int threads, const float* grad_output, float* grad_value,
                      float* grad_locations, float* grad_weights) {
+  const int64_t size = int64_t(p.batch) * p.length * p.heads * p.channels;
   if (!p.value_bnlc) {
-    const int64_t size = int64_t(p.batch) * p.length * p.heads * p.channels;
-    std::unique_ptr<float[]> value(new float[size]);
-    std::vector<float> grad(size, 0.0f);
+    std::unique_ptr<float[]> value(new float[size]), grad(new float[size]);
     swap_axes(p.value, value.get(), p.batch, p.length, p.heads, p.channels, threads);
     Problem by_head = p;
     by_head.value = value.get();
     by_head.value_bnlc = true;
-    backward(by_head, threads, grad_output, grad.data(), grad_locations, grad_weights);
-    swap_axes(grad.data(), grad_value, p.batch, p.heads, p.length, p.channels, threads);
+    backward(by_head, threads, grad_output, grad.get(), grad_locations, grad_weights);
+    swap_axes(grad.get(), grad_value, p.batch, p.heads, p.length, p.channels, threads);
     return;
   }
+  std::fill(grad_value, grad_value + size, 0.0f);  // the taps add into it
   static const bool wide = wide_supported();
   const auto rows = p.channels == 32 ? (wide ? backward_rows_wide<32> : backward_rows_plain<32>)
                                      : (wide ? backward_rows_wide<0> : backward_rows_plain<0>);
