@@ -60,7 +60,7 @@ class DeformableTransformerEncoderLayer(nn.Module):
     def __call__(self, src, pos, reference_points, spatial_shapes, padding_mask):
         attended = self.self_attn(src + pos, reference_points, src, spatial_shapes, None, padding_mask)
         src = self.norm1(src + self.dropout(attended))
-        ffn = self.linear2(self.dropout(nn.relu(self.linear1(src))))
+        ffn = self.linear2(self.dropout(self.linear1(src), after_relu=True))
         return self.norm2(src + self.dropout(ffn))
 
 
@@ -115,7 +115,7 @@ class DeformableTransformerDecoderLayer(nn.Module):
         tgt = self.norm2(tgt + self.dropout(self.self_attn(q, k, tgt)))
         attended = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
         tgt = self.norm1(tgt + self.dropout(attended))
-        ffn = self.linear2(self.dropout(nn.relu(self.linear1(tgt))))
+        ffn = self.linear2(self.dropout(self.linear1(tgt), after_relu=True))
         return self.norm3(tgt + self.dropout(ffn))
 
 

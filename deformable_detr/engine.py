@@ -202,7 +202,7 @@ class Trainer:
         images_in_step = sum(len(targets) for _, _, targets in micro_batches)
         num_boxes = self.num_boxes([target for _, _, targets in micro_batches for target in targets])
         grads = total = losses = None
-        for index, (images, mask, targets) in enumerate(micro_batches):
+        for images, mask, targets in micro_batches:
             (part_total, parts), part_grads = self.loss_and_grad(mx.array(images), mx.array(mask), targets, num_boxes)
             # the losses add up; the logged-only errors (class, cardinality) are means over the images
             share = len(targets) / images_in_step
@@ -212,8 +212,9 @@ class Trainer:
             else:
                 grads = tree_map(mx.add, grads, part_grads)
                 total, losses = total + part_total, {k: v + parts[k] for k, v in losses.items()}
-            if index < len(micro_batches) - 1:  # the last one is evaluated with the update
-                mx.eval(grads, total, losses)
+            # evaluated before the update: in one graph with it, MLX's order kept more of the backward's
+            # activations alive (an R50 step of 2 images at 512 x 683 peaked at 3.7 GiB instead of 3.1)
+            mx.eval(grads, total, losses)
         return self._update(grads, total, losses)
 
     def _update(self, grads, total, losses) -> tuple[dict, float]:
@@ -225,7 +226,7 @@ class Trainer:
         if self.ema is not None:
             self.ema.update(self.model)
         first_norms = sampling_offsets_grad_norms(grads) if self.steps == 0 else {}
-        del grads, clipped  # held by the graph alone, MLX frees each as soon as the update has used it
+        del clipped  # held by the graph alone: MLX frees each clipped gradient once the update has used it
         ema = self.ema.weights if self.ema is not None else {}
         mx.eval(self.model.parameters(), self.optimizer.state, ema, total, losses, grad_norm, first_norms)
         self.steps += 1

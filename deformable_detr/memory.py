@@ -9,6 +9,7 @@ proportional to the pixels of the batch (activations: the backbone's feature map
 tokens, the attention's samples all scale with them), so two probes at small sizes of the same
 shape give the line to extrapolate."""
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -90,6 +91,7 @@ def probe_peak(loss_and_grad, batch: int, height: int, width: int, num_classes: 
     mask = mx.zeros((batch, height, width), dtype=mx.bool_)
     boxes = np.array([[0.3, 0.3, 0.2, 0.2], [0.6, 0.6, 0.3, 0.4]], np.float32)
     targets = [{"labels": np.array([1, num_classes - 1]), "boxes": boxes} for _ in range(batch)]
+    gc.collect()  # arrays that wait for Python's cycle collector would otherwise be freed at some moment of the probe
     mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()

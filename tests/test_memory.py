@@ -42,7 +42,7 @@ def test_largest_batch_pads_the_tallest_and_the_widest():
     assert tall[0] == wide[1] > 1066  # crops of other proportions, resized to 800, are longer than 800 x 1066
 
 
-def test_estimate_from_probes_is_close_to_the_measured_peak():
+def test_estimate_from_probes_is_close_to_the_measured_peak(monkeypatch):
     cfg = load_config(TINY, ["optimizer.lr_backbone=1e-5", "optimizer.freeze_stem_and_layer1=false"])
     mx.random.seed(0)
     model = build_model(cfg)
@@ -55,10 +55,17 @@ def test_estimate_from_probes_is_close_to_the_measured_peak():
     assert estimate.peak_bytes == pytest.approx(measured, rel=0.1)
     assert estimate.probes[1][1] < 0.8 * measured  # the extrapolation did the work
 
+    # Before AdamW's state exists the estimate adds the two moments and the new weights. The same
+    # probes are replayed: a probe's peak moves by a few MiB from run to run (how far MLX's CPU
+    # worker lags the dispatch), and the extrapolation triples that.
+    from deformable_detr import memory
+
+    replayed = iter(peak for _, peak in estimate.probes)
+    monkeypatch.setattr(memory, "probe_peak", lambda *args: next(replayed))
     fresh = Trainer(model, trainer.criterion, build_optimizer(cfg), cfg)  # AdamW's state not made yet
     trainable = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
     before_first_update = estimate_step_memory(fresh, 2, 256, 320, cfg.model.num_classes)
-    assert before_first_update.peak_bytes == pytest.approx(estimate.peak_bytes + 3 * trainable, rel=0.02)
+    assert before_first_update.peak_bytes == pytest.approx(estimate.peak_bytes + 3 * trainable, rel=1e-9)
 
 
 def test_the_peak_grows_by_the_same_amount_with_every_image():
@@ -68,8 +75,13 @@ def test_the_peak_grows_by_the_same_amount_with_every_image():
     mx.random.seed(0)
     trainer = Trainer.from_config(build_model(cfg), cfg)
     trainer.optimizer.init(trainer.model.trainable_parameters())
-    one, two = (estimate_step_memory(trainer, b, 256, 320, cfg.model.num_classes).peak_bytes for b in (1, 2))
-    measured = probe_peak(trainer.loss_and_grad, 4, 256, 320, cfg.model.num_classes)
+    # each the smaller of two runs: a run's peak can be some MiB higher (how far MLX's CPU worker
+    # lags the dispatch, never lower), and one + 3 * (two - one) multiplies the estimates' errors
+    one, two = (
+        min(estimate_step_memory(trainer, b, 256, 320, cfg.model.num_classes).peak_bytes for _ in range(2))
+        for b in (1, 2)
+    )
+    measured = min(probe_peak(trainer.loss_and_grad, 4, 256, 320, cfg.model.num_classes) for _ in range(2))
     assert one + 3 * (two - one) == pytest.approx(measured, rel=0.1)
     assert two < 0.8 * measured  # the extrapolation did the work
 
