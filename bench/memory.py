@@ -26,7 +26,7 @@ PARTS = {
     "backbone stages 2-4": ["backbone"],
     "encoder layers": ["encoder"],
     "decoder layers": ["decoder"],
-    "all (the R50 configs' default)": ["backbone", "encoder", "decoder"],
+    "all (checkpointing on)": ["backbone", "encoder", "decoder"],
 }
 
 
