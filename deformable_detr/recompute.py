@@ -13,8 +13,8 @@ each layer's recomputation (which they need) stayed alive until the end of the b
 checkpointing; with the ordering below, 1.0 GiB).
 
 What the backward keeps without recomputation is made smaller too: `relu` (`ReLU`), and `Dropout`
-after a ReLU, take their gradients from their outputs (as PyTorch's ReLU does), so the inputs are freed after
-the forward (an encoder layer's FFN then keeps one (L, 1024) activation instead of two and a mask)."""
+after a ReLU, take their gradients from their outputs (as PyTorch's ReLU does), so their inputs are
+freed after the forward (an encoder layer's FFN keeps one (L, 1024) activation, not two and a mask)."""
 
 from contextlib import contextmanager
 from functools import cache
