@@ -59,12 +59,17 @@ def _relu_vjp(primals, cotangent, output):
     return (mx.where(output > 0, cotangent, 0),)
 
 
-class ReLU(nn.Module):
-    """`relu` in training; in eval mode plain max(x, 0), which MLX may compute in its input's buffer
+def _relu(x, training: bool):
+    """`relu` in training; outside it plain max(x, 0), which MLX may compute in its input's buffer
     (`relu` holds its input until it is evaluated: R50 inference at 800 x 1066 peaked 9% higher)."""
+    return relu(x) if training else mx.maximum(x, 0)
+
+
+class ReLU(nn.Module):
+    """`relu` in training, plain max(x, 0) in eval mode (`_relu`)."""
 
     def __call__(self, x):
-        return relu(x) if self.training else mx.maximum(x, 0)
+        return _relu(x, self.training)
 
 
 @cache
@@ -99,17 +104,16 @@ class Dropout(nn.Module):
 
     def __call__(self, x, after_relu: bool = False):
         """dropout(x), or with `after_relu` dropout(relu(x)) as one op that keeps only its output."""
-        if not self.training:
-            return mx.maximum(x, 0) if after_relu else x
-        if self.p == 0:
-            return relu(x) if after_relu else x
+        if not self.training or self.p == 0:
+            return _relu(x, self.training) if after_relu else x
         threshold = round((1 - self.p) * 65536)
+        scale = 65536 / threshold
         key = _next_key()
         words = mx.random.split(_fresh_key() if key is None else key, (x.size + 3) // 4)  # (n / 4, 2) uint32
         keep = words.view(mx.uint16).reshape(-1)[: x.size].reshape(x.shape) < threshold
         if after_relu:
-            return _dropped_relu(65536 / threshold)(x, keep)
-        return mx.where(keep, x * (65536 / threshold), mx.array(0, x.dtype))
+            return _dropped_relu(scale)(x, keep)
+        return mx.where(keep, x * scale, mx.array(0, x.dtype))
 
 
 def _uses_dropout(modules) -> bool:
