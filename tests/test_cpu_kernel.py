@@ -43,6 +43,32 @@ def test_cpu_kernel_channel_counts(channels, rng):
     assert_same(*ms_deform_attn_both_ways(shapes, args, "cpu"), F32)
 
 
+def test_cpu_kernel_vector_rows_compute_as_the_general_loop(rng):
+    """At 32 channels the kernel holds a row in vector registers and reduces four taps' dot products
+    together; the general loop, run here on the same problem with 8 zero channels more, must give the
+    same output and gradients bit for bit (its extra lanes add zeros), on edge and non-finite points."""
+    shapes = shapes_for(False)
+    heads, channels, extra = 3, 32, 8
+    value, locations, weights = ms_inputs(rng, shapes, False, batch=2, queries=29, heads=heads, channels=channels)
+    cotangent = mx.array(rng.standard_normal((2, 29, heads, channels)).astype(np.float32))
+
+    def results(pad):
+        padded_value = mx.pad(value, [(0, 0), (0, 0), (0, 0), (0, pad)])
+        padded_cotangent = mx.pad(cotangent, [(0, 0), (0, 0), (0, 0), (0, pad)]).reshape(2, 29, -1)
+
+        def attend(v, locs, w):
+            return kernels.ms_deform_attn(v, shapes, None, locs, w, backend="cpu")
+
+        (out,), grads = mx.vjp(attend, [padded_value, locations, weights], [padded_cotangent])
+        out = out.reshape(2, 29, heads, channels + pad)[..., :channels]
+        return [np.array(a) for a in (out, grads[0][..., :channels], grads[1], grads[2])]
+
+    vector_rows, general_loop = results(0), results(extra)
+    for name, got, want in zip(["output", "value", "locations", "weights"], vector_rows, general_loop, strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    assert np.abs(vector_rows[2]).max() > 0
+
+
 def test_cpu_kernel_rounds_locations_as_pytorch_on_pixel_centres(rng):
     """The encoder's first locations: pixel centres (i + 0.5) / W plus whole-pixel offsets k / W, in
     float32. PyTorch and the MLX path round u * W, then - 0.5, and such a point lands on a pixel; a

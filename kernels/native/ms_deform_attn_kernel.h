@@ -82,6 +82,90 @@ INLINE float dot(const float* __restrict__ a, const float* __restrict__ b, int n
   return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
 }
 
+// A row of CHANNELS (a multiple of 8) floats held in vector registers, for the channel count fixed
+// at compile time. Written out because GCC kept the plain loops in memory (the forward's sum loaded
+// and stored at every tap) or scalar (the backward's dot); the arithmetic is theirs, in their order,
+// so the results are bit for bit those of the plain loops (forward and dot()).
+typedef float float8 __attribute__((vector_size(32)));
+typedef float float4 __attribute__((vector_size(16)));
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC notes that a 32-byte vector passed by value has another ABI in its baseline build than with
+// AVX; these helpers are always inlined, never called across that boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+INLINE float8 load8(const float* from) {  // rows are not 32-byte aligned
+  float8 v;
+  std::memcpy(&v, from, sizeof v);
+  return v;
+}
+INLINE void store8(float* to, const float8& v) {
+  std::memcpy(to, &v, sizeof v);
+}
+INLINE float8 splat8(float w) {
+  return float8{w, w, w, w, w, w, w, w};
+}
+
+template <int CHANNELS>
+struct Row {
+  static_assert(CHANNELS % 8 == 0, "a row is whole vectors");
+  static constexpr int parts = CHANNELS / 8;
+  float8 part[parts];
+
+  INLINE Row zero() {
+    Row r;
+    for (auto& v : r.part) {
+      v = float8{};
+    }
+    return r;
+  }
+  INLINE Row load(const float* from) {
+    Row r;
+    for (int i = 0; i < parts; ++i) {
+      r.part[i] = load8(from + 8 * i);
+    }
+    return r;
+  }
+  __attribute__((always_inline)) void store(float* to) const {
+    for (int i = 0; i < parts; ++i) {
+      store8(to + 8 * i, part[i]);
+    }
+  }
+  // this += w * from
+  __attribute__((always_inline)) void add_scaled(float w, const float* from) {
+    const float8 scale = splat8(w);
+    for (int i = 0; i < parts; ++i) {
+      part[i] += scale * load8(from + 8 * i);
+    }
+  }
+  // to += w * this
+  __attribute__((always_inline)) void add_scaled_to(float w, float* to) const {
+    const float8 scale = splat8(w);
+    for (int i = 0; i < parts; ++i) {
+      store8(to + 8 * i, load8(to + 8 * i) + scale * part[i]);
+    }
+  }
+  // dot(from[k], this) for the k < 4 taps of a point, each in dot()'s order; the four reduced
+  // together, so that the adds across lanes are 3 vector adds instead of 4 x 7 scalar ones.
+  __attribute__((always_inline)) float4 dots_with(const float* const* from) const {
+    float4 half[4];
+    for (int k = 0; k < 4; ++k) {
+      float8 lanes{};
+      for (int i = 0; i < parts; ++i) {
+        lanes += load8(from[k] + 8 * i) * part[i];
+      }
+      half[k] = float4{lanes[0] + lanes[4], lanes[1] + lanes[5], lanes[2] + lanes[6], lanes[3] + lanes[7]};
+    }
+    // ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) of each
+    return pair_sums(pair_sums(half[0], half[1]), pair_sums(half[2], half[3]));
+  }
+
+ private:
+  INLINE float4 pair_sums(float4 x, float4 y) {
+    return float4{x[0] + x[1], x[2] + x[3], y[0] + y[1], y[2] + y[3]};
+  }
+};
+
 template <typename Work>
 void parallel_rows(int64_t rows, int threads, Work work) {
   threads = threads < 1 ? 1 : (threads > rows ? (rows > 0 ? int(rows) : 1) : threads);
@@ -149,9 +233,8 @@ struct Gathered {
   int64_t location_y(int i) const { return location_y0 + i * location_stride; }
   int64_t point(int i) const { return first_point + i; }
 
-  // Prefetches the rows of value and, in the backward, of the value gradient (to be written).
-  __attribute__((always_inline)) void locate_all(const Problem& p, int64_t sample, int b, int head,
-                                                 const float* grad_value = nullptr) {
+  // Where the sample's locations and weights start.
+  __attribute__((always_inline)) void find_inputs(const Problem& p, int64_t sample, int b) {
     first_point = sample * n;
     if (p.locations_b2qhlp) {
       location_x0 = 2 * b * p.batch_points() + (first_point - b * p.batch_points());
@@ -162,6 +245,38 @@ struct Gathered {
       location_y0 = location_x0 + 1;
       location_stride = 2;
     }
+  }
+
+  // The backward takes one head's samples, H samples apart in memory: the hardware does not see the
+  // stride across pages, and the first read of each sample's locations waited on memory (an eighth
+  // of the backward's time at the encoder shape). So the backward asks for a later sample's inputs,
+  // and for the lines of its gradients, ahead.
+  __attribute__((always_inline)) void prefetch_sample(const Problem& p, int64_t sample, int b, int channels,
+                                                      const float* grad_output, float* grad_locations,
+                                                      float* grad_weights) {
+    const int64_t point = sample * n;
+    const int64_t x = p.locations_b2qhlp ? 2 * b * p.batch_points() + (point - b * p.batch_points()) : 2 * point;
+    const int64_t y_span = p.locations_b2qhlp ? p.batch_points() : 0;
+    for (int at = 0; at < 2 * n; at += 16) {  // 16 floats: a cache line
+      __builtin_prefetch(p.locations + x + at);
+      __builtin_prefetch(p.locations + x + y_span + at);
+      __builtin_prefetch(grad_locations + x + at, 1);
+      __builtin_prefetch(grad_locations + x + y_span + at, 1);
+    }
+    for (int at = 0; at < n; at += 16) {
+      __builtin_prefetch(p.weights + point + at);
+      __builtin_prefetch(grad_weights + point + at, 1);
+    }
+    for (int at = 0; at < channels; at += 16) {
+      __builtin_prefetch(grad_output + sample * channels + at);
+    }
+  }
+
+  // Locates the sample's taps and prefetches the rows of value and, in the backward, of the value
+  // gradient (to be written).
+  __attribute__((always_inline)) void locate_all(const Problem& p, int64_t sample, int b, int head,
+                                                 const float* grad_value = nullptr) {
+    find_inputs(p, sample, b);
     for (int i = 0; i < n; ++i) {
       ux[i] = p.locations[location_x(i)];
       uy[i] = p.locations[location_y(i)];
@@ -197,21 +312,33 @@ INLINE void forward_rows(const Problem& p, float* __restrict__ output, int64_t b
     const int b = int(sample / (int64_t(p.queries) * p.heads)), head = int(sample % p.heads);
     taps.locate_all(p, sample, b, head);
     float* __restrict__ out = output + sample * c_count;
-    for (int c = 0; c < c_count; ++c) {
-      out[c] = 0.0f;
-    }
-    for (int t = 0; t < 4 * taps.n; ++t) {
-      const float w = taps.attention[t / 4] * taps.weight[t];
-      if (w == 0.0f) {
-        continue;
+    if constexpr (CHANNELS > 0) {
+      auto sum = Row<CHANNELS>::zero();
+      for (int t = 0; t < 4 * taps.n; ++t) {
+        const float w = taps.attention[t / 4] * taps.weight[t];
+        if (w != 0.0f) {
+          sum.add_scaled(w, p.value + taps.row[t]);
+        }
       }
-      const float* __restrict__ v = p.value + taps.row[t];
+      sum.store(out);
+    } else {
       for (int c = 0; c < c_count; ++c) {
-        out[c] += w * v[c];
+        out[c] = 0.0f;
+      }
+      for (int t = 0; t < 4 * taps.n; ++t) {
+        const float w = taps.attention[t / 4] * taps.weight[t];
+        if (w != 0.0f) {
+          const float* __restrict__ v = p.value + taps.row[t];
+          for (int c = 0; c < c_count; ++c) {
+            out[c] += w * v[c];
+          }
+        }
       }
     }
   }
 }
+
+constexpr int PREFETCH_AHEAD = 4;  // samples
 
 template <int CHANNELS>
 INLINE void backward_rows(const Problem& p, const float* __restrict__ grad_output, float* __restrict__ grad_value,
@@ -225,19 +352,41 @@ INLINE void backward_rows(const Problem& p, const float* __restrict__ grad_outpu
     const int b = int(pair / p.heads), head = int(pair % p.heads);
     for (int64_t q = 0; q < p.queries; ++q) {
       const int64_t sample = (int64_t(b) * p.queries + q) * p.heads + head;
+      if (q + PREFETCH_AHEAD < p.queries) {
+        taps.prefetch_sample(p, sample + PREFETCH_AHEAD * p.heads, b, c_count, grad_output, grad_locations,
+                             grad_weights);
+      }
       taps.locate_all(p, sample, b, head, grad_value);
       const float* __restrict__ g = grad_output + sample * c_count;
+      Row<(CHANNELS > 0 ? CHANNELS : 8)> g_row;  // used where CHANNELS > 0
+      if constexpr (CHANNELS > 0) {
+        g_row = Row<CHANNELS>::load(g);
+      }
       for (int i = 0; i < taps.n; ++i) {
         const float attention = taps.attention[i];
         float slope_weight = 0.0f, slope_x = 0.0f, slope_y = 0.0f;
+        float4 dots;  // <value row, g> of the point's four taps, where CHANNELS > 0
+        if constexpr (CHANNELS > 0) {
+          const float* rows[4];
+          for (int k = 0; k < 4; ++k) {
+            rows[k] = p.value + taps.row[4 * i + k];
+          }
+          dots = g_row.dots_with(rows);
+        }
         for (int k = 0; k < 4; ++k) {
           const int t = 4 * i + k;
           const float* __restrict__ v = p.value + taps.row[t];
           float* __restrict__ gv = grad_value + taps.row[t];
           const float w = attention * taps.weight[t];
-          const float dot_vg = dot(v, g, c_count);
-          for (int c = 0; c < c_count; ++c) {
-            gv[c] += w * g[c];
+          float dot_vg;
+          if constexpr (CHANNELS > 0) {
+            dot_vg = dots[k];
+            g_row.add_scaled_to(w, gv);
+          } else {
+            dot_vg = dot(v, g, c_count);
+            for (int c = 0; c < c_count; ++c) {
+              gv[c] += w * g[c];
+            }
           }
           slope_weight += taps.weight[t] * dot_vg;
           slope_x += taps.dx[t] * dot_vg;
