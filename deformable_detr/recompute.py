@@ -23,6 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from kernels import random_split
+
 _keys: list[list[mx.array]] = []  # the key of each unit being run, innermost last
 
 
@@ -109,7 +111,7 @@ class Dropout(nn.Module):
         threshold = round((1 - self.p) * 65536)
         scale = 65536 / threshold
         key = _next_key()
-        words = mx.random.split(_fresh_key() if key is None else key, (x.size + 3) // 4)  # (n / 4, 2) uint32
+        words = random_split(_fresh_key() if key is None else key, (x.size + 3) // 4)  # (n / 4, 2) uint32
         keep = words.view(mx.uint16).reshape(-1)[: x.size].reshape(x.shape) < threshold
         if after_relu:
             return _dropped_relu(scale)(x, keep)
