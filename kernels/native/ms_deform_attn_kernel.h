@@ -35,16 +35,7 @@ INLINE uint32_t float_bits(float x) {
 
 #include "sampling.h"
 
-// On x86-64 the loops are compiled twice, for AVX2 and for the baseline, and chosen by what the CPU
-// reports. Not FMA: a fused u * size - 0.5 rounds once where PyTorch rounds twice, and a location
-// that lands on a pixel then takes the other one-sided gradient.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define WIDE_TARGET __attribute__((target("avx2")))
-static bool wide_supported() { return __builtin_cpu_supports("avx2"); }
-#else
-#define WIDE_TARGET
-static bool wide_supported() { return false; }
-#endif
+#include "wide_target.h"
 
 namespace ms_deform_attn_cpu {
 
@@ -233,18 +224,24 @@ struct Gathered {
   int64_t location_y(int i) const { return location_y0 + i * location_stride; }
   int64_t point(int i) const { return first_point + i; }
 
-  // Where the sample's locations and weights start.
+  // Where the x and the y of a sample's first point are in `locations`, and their stride.
+  struct Offsets {
+    int64_t x, y, stride;
+  };
+  __attribute__((always_inline)) Offsets location_offsets(const Problem& p, int64_t point, int b) const {
+    if (p.locations_b2qhlp) {
+      const int64_t x = 2 * b * p.batch_points() + (point - b * p.batch_points());
+      return {x, x + p.batch_points(), 1};
+    }
+    return {2 * point, 2 * point + 1, 2};
+  }
+
   __attribute__((always_inline)) void find_inputs(const Problem& p, int64_t sample, int b) {
     first_point = sample * n;
-    if (p.locations_b2qhlp) {
-      location_x0 = 2 * b * p.batch_points() + (first_point - b * p.batch_points());
-      location_y0 = location_x0 + p.batch_points();
-      location_stride = 1;
-    } else {
-      location_x0 = 2 * first_point;
-      location_y0 = location_x0 + 1;
-      location_stride = 2;
-    }
+    const Offsets at = location_offsets(p, first_point, b);
+    location_x0 = at.x;
+    location_y0 = at.y;
+    location_stride = at.stride;
   }
 
   // The backward takes one head's samples, H samples apart in memory: the hardware does not see the
@@ -255,13 +252,13 @@ struct Gathered {
                                                       const float* grad_output, float* grad_locations,
                                                       float* grad_weights) {
     const int64_t point = sample * n;
-    const int64_t x = p.locations_b2qhlp ? 2 * b * p.batch_points() + (point - b * p.batch_points()) : 2 * point;
-    const int64_t y_span = p.locations_b2qhlp ? p.batch_points() : 0;
-    for (int at = 0; at < 2 * n; at += 16) {  // 16 floats: a cache line
-      __builtin_prefetch(p.locations + x + at);
-      __builtin_prefetch(p.locations + x + y_span + at);
-      __builtin_prefetch(grad_locations + x + at, 1);
-      __builtin_prefetch(grad_locations + x + y_span + at, 1);
+    const Offsets start = location_offsets(p, point, b);
+    const int64_t span = start.stride * n;  // floats of x (and of y where they are apart)
+    for (int64_t at = 0; at < span; at += 16) {  // 16 floats: a cache line
+      __builtin_prefetch(p.locations + start.x + at);
+      __builtin_prefetch(p.locations + start.y + at);
+      __builtin_prefetch(grad_locations + start.x + at, 1);
+      __builtin_prefetch(grad_locations + start.y + at, 1);
     }
     for (int at = 0; at < n; at += 16) {
       __builtin_prefetch(p.weights + point + at);

@@ -16,20 +16,13 @@
 #include "mlx/primitives.h"
 
 #include "ops.h"
+#include "wide_target.h"
 
 namespace kernels {
 
 namespace mx = mlx::core;
 
 namespace {
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define WIDE_TARGET __attribute__((target("avx2")))
-bool wide_supported() { return __builtin_cpu_supports("avx2"); }
-#else
-#define WIDE_TARGET
-bool wide_supported() { return false; }
-#endif
 
 inline __attribute__((always_inline)) uint32_t rotate(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
 
