@@ -1,7 +1,7 @@
 """Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and
 `ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature),
 `linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `random_split`
-(`mx.random.split` on every CPU core).
+(`mx.random.split` as vector code on the CPU).
 
 This package knows nothing of DETR."""
 

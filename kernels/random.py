@@ -1,17 +1,16 @@
-"""`random_split`: `mx.random.split(key, num)`, bit for bit, on every CPU core.
+"""`random_split`: `mx.random.split(key, num)`, bit for bit, as vector code on the CPU.
 
-MLX's CPU back-end computes random bits on one thread, a threefry hash per pair of words; for the
-many words of a large dropout mask that is a large part of the op (an R50 encoder layer's three
-masks at 512 x 683: about 60 ms of its 0.5 s forward). With `kernels._native` built and the CPU as
-the default device, the same hash runs as vector code on every core (`native/random_split.cpp`);
-elsewhere this is `mx.random.split`. Either way the words are the same, so a seeded run draws the
+MLX's CPU back-end computes random bits a threefry hash per pair of words, a function call each;
+for the many words of a large dropout mask that is a large part of the op (an R50 encoder layer's
+three masks at 512 x 683: about 60 ms of its 0.5 s forward). With `kernels._native` built and the
+CPU as the default device, the same hash runs as vector code (`native/random_split.cpp`); elsewhere
+this is `mx.random.split`. Either way the words are the same, so a seeded run draws the
 same masks with or without the extension.
 """
 
 import mlx.core as mx
 
 from . import native
-from .cpu import threads
 
 
 def random_split(key: mx.array, num: int) -> mx.array:
@@ -27,4 +26,4 @@ def random_split(key: mx.array, num: int) -> mx.array:
     extension = native.module()
     if extension is None or mx.default_device().type != mx.cpu:
         return mx.random.split(key, num)
-    return extension.random_split(key, num, threads())
+    return extension.random_split(key, num)

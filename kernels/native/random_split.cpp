@@ -1,13 +1,13 @@
-// random_split as an MLX Primitive: the words of mx.random.split(key, num), bit for bit, computed on
-// every CPU thread. MLX's CPU back-end hashes them one pair after another on one thread (threefry
-// 2x32, 20 rounds, a function call per pair): for the dropout masks of an R50 encoder layer at
-// 512 x 683 that was about 60 ms of its 0.5 s forward. Here the hash is inlined into a loop that
-// the compiler turns into vector code (AVX2 where the CPU has it, chosen at run time).
+// random_split as an MLX Primitive: the words of mx.random.split(key, num), bit for bit. MLX's CPU
+// back-end hashes them one pair after another (threefry 2x32, 20 rounds, a function call per pair):
+// for the dropout masks of an R50 encoder layer at 512 x 683 that was about 60 ms of its 0.5 s
+// forward. Here the hash is inlined into a loop that the compiler turns into vector code (AVX2 where
+// the CPU has it, chosen at run time), on MLX's CPU thread: a second thread halved the time again
+// (3.9 against 7 ms for 3.7 M pairs) but moved the peak memory of the test suite's 4-image probe
+// step from 977 to 1,158 MiB (tests/test_memory.py, in the full suite only; not understood).
 
-#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -47,11 +47,10 @@ inline __attribute__((always_inline)) void threefry(uint32_t k0, uint32_t k1, ui
 // the pair to words j and num + j of the output. The two halves as two restrict pointers: with one
 // pointer GCC assumed they might overlap and kept the loop scalar (33 ms for 3.7 M pairs on one
 // thread here, 7 ms as vector code).
-inline __attribute__((always_inline)) void split_range(uint32_t k0, uint32_t k1, uint32_t num, uint32_t* out,
-                                                      uint32_t begin, uint32_t end) {
+inline __attribute__((always_inline)) void split(uint32_t k0, uint32_t k1, uint32_t num, uint32_t* out) {
   uint32_t* __restrict__ first = out;
   uint32_t* __restrict__ second = out + num;
-  for (uint32_t j = begin; j < end; ++j) {
+  for (uint32_t j = 0; j < num; ++j) {
     uint32_t x0 = j, x1 = num + j;
     threefry(k0, k1, x0, x1);
     first[j] = x0;
@@ -59,38 +58,22 @@ inline __attribute__((always_inline)) void split_range(uint32_t k0, uint32_t k1,
   }
 }
 
-WIDE_TARGET void split_range_wide(uint32_t k0, uint32_t k1, uint32_t num, uint32_t* out, uint32_t begin,
-                                  uint32_t end) {
-  split_range(k0, k1, num, out, begin, end);
-}
-void split_range_plain(uint32_t k0, uint32_t k1, uint32_t num, uint32_t* out, uint32_t begin, uint32_t end) {
-  split_range(k0, k1, num, out, begin, end);
-}
+WIDE_TARGET void split_wide(uint32_t k0, uint32_t k1, uint32_t num, uint32_t* out) { split(k0, k1, num, out); }
+void split_plain(uint32_t k0, uint32_t k1, uint32_t num, uint32_t* out) { split(k0, k1, num, out); }
 
 class RandomSplit : public mx::UnaryPrimitive {
  public:
-  RandomSplit(mx::Stream stream, uint32_t num, int threads)
-      : mx::UnaryPrimitive(stream), num_(num), threads_(threads) {}
+  RandomSplit(mx::Stream stream, uint32_t num) : mx::UnaryPrimitive(stream), num_(num) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(inputs[0]);
     encoder.set_output_array(out);
-    encoder.dispatch([key = inputs[0], out_ptr = out.data<uint32_t>(), num = num_, threads = threads_]() {
+    encoder.dispatch([key = inputs[0], out_ptr = out.data<uint32_t>(), num = num_]() {
       const uint32_t* k = key.data<uint32_t>();
       static const bool wide = wide_supported();
-      const auto run = wide ? split_range_wide : split_range_plain;
-      const int count = std::max(1, std::min<int>(threads, int(num / 4096) + 1));  // small splits: one thread
-      std::vector<std::thread> pool;
-      for (int t = 1; t < count; ++t) {
-        pool.emplace_back(run, k[0], k[1], num, out_ptr, uint32_t(uint64_t(num) * t / count),
-                          uint32_t(uint64_t(num) * (t + 1) / count));
-      }
-      run(k[0], k[1], num, out_ptr, 0, uint32_t(num / count));
-      for (auto& thread : pool) {
-        thread.join();
-      }
+      (wide ? split_wide : split_plain)(k[0], k[1], num, out_ptr);
     });
   }
   void eval_gpu(const std::vector<array>&, array&) override {
@@ -102,19 +85,17 @@ class RandomSplit : public mx::UnaryPrimitive {
   }
   const char* name() const override { return "RandomSplit"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const RandomSplit&>(other);
-    return num_ == o.num_ && threads_ == o.threads_;
+    return num_ == static_cast<const RandomSplit&>(other).num_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<array>&) override { return {{int(num_), 2}}; }
 
  private:
   uint32_t num_;
-  int threads_;
 };
 
 }  // namespace
 
-array random_split(const array& key, int64_t num, int threads) {
+array random_split(const array& key, int64_t num) {
   if (key.dtype() != mx::uint32 || key.ndim() != 1 || key.shape(0) != 2) {
     throw std::invalid_argument("random_split: the key must be a uint32 array of shape (2,)");
   }
@@ -122,7 +103,7 @@ array random_split(const array& key, int64_t num, int threads) {
     throw std::invalid_argument("random_split: num must be in [0, 2**31)");
   }
   const auto stream = mx::default_stream(mx::Device::cpu);
-  return array({int(num), 2}, mx::uint32, std::make_shared<RandomSplit>(stream, uint32_t(num), threads),
+  return array({int(num), 2}, mx::uint32, std::make_shared<RandomSplit>(stream, uint32_t(num)),
                {mx::contiguous(key, false, stream)});
 }
 
