@@ -1,6 +1,5 @@
-"""The C++ extension of `kernels` (kernels/native/: MLX operations for the CPU attention kernel,
-Hungarian matching and random words), built by the install with CMake against the MLX of the build
-environment.
+"""The C++ extension of `kernels` (kernels/native/: MLX operations for the CPU attention kernel and
+Hungarian matching), built by the install with CMake against the MLX of the build environment.
 
 Optional: where it cannot be built (no C++ compiler or CMake), the install goes on and `kernels`
 uses its MLX-ops path and scipy (`kernels.available_backends()` tells). Everything else is in

@@ -23,8 +23,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kernels import random_split
-
 _keys: list[list[mx.array]] = []  # the key of each unit being run, innermost last
 
 
@@ -96,9 +94,7 @@ class Dropout(nn.Module):
     The mask compares 16 random bits per element with round((1 - p) * 65536), and scales by the
     inverse of that kept fraction (p = 0.1 keeps 0.899994 instead of 0.9): 16 bits are half the
     random words of `mx.random.bernoulli`'s floats, which made dropout a quarter of an encoder
-    layer's forward on the CPU (measured: 298 -> 167 ms for a (2, 7320, 1024) activation). The words
-    are `mx.random.split`'s, from `kernels.random_split` (vector code: that activation's dropout
-    after ReLU 74 -> 37 ms with it on two threads; it now runs on one, 3 ms slower)."""
+    layer's forward on the CPU (measured: 298 -> 167 ms for a (2, 7320, 1024) activation)."""
 
     def __init__(self, p: float = 0.5):
         super().__init__()
@@ -113,7 +109,7 @@ class Dropout(nn.Module):
         threshold = round((1 - self.p) * 65536)
         scale = 65536 / threshold
         key = _next_key()
-        words = random_split(_fresh_key() if key is None else key, (x.size + 3) // 4)  # (n / 4, 2) uint32
+        words = mx.random.split(_fresh_key() if key is None else key, (x.size + 3) // 4)  # (n / 4, 2) uint32
         keep = words.view(mx.uint16).reshape(-1)[: x.size].reshape(x.shape) < threshold
         if after_relu:
             return _dropped_relu(scale)(x, keep)

@@ -1,7 +1,6 @@
 """Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and
-`ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature),
-`linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `random_split`
-(`mx.random.split` as vector code on the CPU).
+`ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature), and
+`linear_assignment` (batched Hungarian matching as a lazy MLX operation).
 
 This package knows nothing of DETR."""
 
@@ -9,6 +8,5 @@ from .assignment import linear_assignment
 from .backends import available as available_backends
 from .grid_sample import grid_sample
 from .ms_deform_attn import BACKENDS, ms_deform_attn
-from .random import random_split
 
-__all__ = ["BACKENDS", "available_backends", "grid_sample", "linear_assignment", "ms_deform_attn", "random_split"]
+__all__ = ["BACKENDS", "available_backends", "grid_sample", "linear_assignment", "ms_deform_attn"]

@@ -30,7 +30,4 @@ array ms_deform_attn(const array& value, const array& locations, const array& we
 // b's targets to its queries (each size <= Q).
 array linear_assignment(const array& cost, const std::vector<int>& sizes);
 
-// key (2,) uint32 -> (num, 2) uint32: mx.random.split(key, num), bit for bit.
-array random_split(const array& key, int64_t num);
-
 }  // namespace kernels
