@@ -35,7 +35,16 @@ INLINE uint32_t float_bits(float x) {
 
 #include "sampling.h"
 
-#include "wide_target.h"
+// On x86-64 the loops are compiled twice, for AVX2 and for the baseline, and chosen by what the CPU
+// reports. Not FMA: a fused u * size - 0.5 rounds once where PyTorch rounds twice, and a location
+// that lands on a pixel then takes the other one-sided gradient.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define WIDE_TARGET __attribute__((target("avx2")))
+static bool wide_supported() { return __builtin_cpu_supports("avx2"); }
+#else
+#define WIDE_TARGET
+static bool wide_supported() { return false; }
+#endif
 
 namespace ms_deform_attn_cpu {
 
@@ -180,7 +189,7 @@ struct Gathered {
   std::vector<int> width, height, start;
   // per point of the current sample
   std::vector<float> ux, uy, attention, chain_x, chain_y;
-  int64_t first_point, location_x0, location_y0, location_stride;  // where its inputs are
+  int64_t first_point;  // where its inputs are
   // per tap
   std::vector<int> index;
   std::vector<float> weight, dx, dy;
@@ -220,8 +229,8 @@ struct Gathered {
     }
   }
 
-  int64_t location_x(int i) const { return location_x0 + i * location_stride; }
-  int64_t location_y(int i) const { return location_y0 + i * location_stride; }
+  int64_t location_x(int i) const { return location.x + i * location.stride; }
+  int64_t location_y(int i) const { return location.y + i * location.stride; }
   int64_t point(int i) const { return first_point + i; }
 
   // Where the x and the y of a sample's first point are in `locations`, and their stride.
@@ -236,12 +245,11 @@ struct Gathered {
     return {2 * point, 2 * point + 1, 2};
   }
 
+  Offsets location;  // of the current sample
+
   __attribute__((always_inline)) void find_inputs(const Problem& p, int64_t sample, int b) {
     first_point = sample * n;
-    const Offsets at = location_offsets(p, first_point, b);
-    location_x0 = at.x;
-    location_y0 = at.y;
-    location_stride = at.stride;
+    location = location_offsets(p, first_point, b);
   }
 
   // The backward takes one head's samples, H samples apart in memory: the hardware does not see the
@@ -309,28 +317,26 @@ INLINE void forward_rows(const Problem& p, float* __restrict__ output, int64_t b
     const int b = int(sample / (int64_t(p.queries) * p.heads)), head = int(sample % p.heads);
     taps.locate_all(p, sample, b, head);
     float* __restrict__ out = output + sample * c_count;
+    auto sum = Row<(CHANNELS > 0 ? CHANNELS : 8)>::zero();  // used where CHANNELS > 0
+    if constexpr (CHANNELS == 0) {
+      std::fill(out, out + c_count, 0.0f);
+    }
+    for (int t = 0; t < 4 * taps.n; ++t) {
+      const float w = taps.attention[t / 4] * taps.weight[t];
+      if (w == 0.0f) {
+        continue;
+      }
+      const float* __restrict__ v = p.value + taps.row[t];
+      if constexpr (CHANNELS > 0) {
+        sum.add_scaled(w, v);
+      } else {
+        for (int c = 0; c < c_count; ++c) {
+          out[c] += w * v[c];
+        }
+      }
+    }
     if constexpr (CHANNELS > 0) {
-      auto sum = Row<CHANNELS>::zero();
-      for (int t = 0; t < 4 * taps.n; ++t) {
-        const float w = taps.attention[t / 4] * taps.weight[t];
-        if (w != 0.0f) {
-          sum.add_scaled(w, p.value + taps.row[t]);
-        }
-      }
       sum.store(out);
-    } else {
-      for (int c = 0; c < c_count; ++c) {
-        out[c] = 0.0f;
-      }
-      for (int t = 0; t < 4 * taps.n; ++t) {
-        const float w = taps.attention[t / 4] * taps.weight[t];
-        if (w != 0.0f) {
-          const float* __restrict__ v = p.value + taps.row[t];
-          for (int c = 0; c < c_count; ++c) {
-            out[c] += w * v[c];
-          }
-        }
-      }
     }
   }
 }
@@ -372,7 +378,6 @@ INLINE void backward_rows(const Problem& p, const float* __restrict__ grad_outpu
         }
         for (int k = 0; k < 4; ++k) {
           const int t = 4 * i + k;
-          const float* __restrict__ v = p.value + taps.row[t];
           float* __restrict__ gv = grad_value + taps.row[t];
           const float w = attention * taps.weight[t];
           float dot_vg;
@@ -380,7 +385,7 @@ INLINE void backward_rows(const Problem& p, const float* __restrict__ grad_outpu
             dot_vg = dots[k];
             g_row.add_scaled_to(w, gv);
           } else {
-            dot_vg = dot(v, g, c_count);
+            dot_vg = dot(p.value + taps.row[t], g, c_count);
             for (int c = 0; c < c_count; ++c) {
               gv[c] += w * g[c];
             }
