@@ -1,5 +1,6 @@
-"""MLX's CPU convolution against PyTorch's on the R50 backbone's shapes at 800 x 1066, and the whole
-ResNet-50 (this port's backbone against transformers' ResNet-50, random weights), forward only.
+"""MLX's CPU convolution and this port's (`backbone.Conv2d`: 1 x 1 as a matrix product) against
+PyTorch's on the R50 backbone's shapes at 800 x 1066, and the whole ResNet-50 (this port's backbone
+against transformers' ResNet-50, random weights), forward only.
 
     python bench/conv.py [--repeats 5] [--output bench/results/conv_cpu.txt]
 
@@ -25,6 +26,7 @@ SHAPES = [  # (in channels, out channels, kernel, stride, input height, input wi
     (3, 64, 7, 2, 800, 1066),
     (64, 64, 3, 1, 200, 267),
     (64, 256, 1, 1, 200, 267),
+    (256, 512, 1, 2, 200, 267),
     (128, 128, 3, 2, 200, 267),
     (128, 128, 3, 1, 100, 134),
     (256, 256, 3, 1, 50, 67),
@@ -37,14 +39,17 @@ def measure_mlx(repeats):
     import mlx.core as mx
 
     from deformable_detr import build_model, load_config
+    from deformable_detr.backbone import Conv2d
 
     result = {}
     for c_in, c_out, k, s, h, w in SHAPES:
-        x, weight = mx.random.normal((1, h, w, c_in)), mx.random.normal((c_out, k, k, c_in))
-        mx.eval(x, weight)
-        result[str((c_in, c_out, k, s, h, w))] = median(
-            lambda x=x, weight=weight, s=s, k=k: mx.eval(mx.conv2d(x, weight, stride=s, padding=k // 2)), repeats
-        )
+        conv = Conv2d(c_in, c_out, k, s, k // 2, bias=False)
+        x = mx.random.normal((1, h, w, c_in))
+        mx.eval(x, conv.parameters())
+        result[str((c_in, c_out, k, s, h, w))] = {
+            "mlx": median(lambda x=x, conv=conv: mx.eval(mx.conv2d(x, conv.weight, conv.stride, conv.padding)), repeats),
+            "ours": median(lambda x=x, conv=conv: mx.eval(conv(x)), repeats),
+        }
     backbone = build_model(load_config(ROOT / "configs" / "r50.yaml")).backbone[0]
     images, mask = mx.random.normal((1, 800, 1066, 3)), mx.zeros((1, 800, 1066), dtype=mx.bool_)
     result["resnet50"] = median(lambda: mx.eval([f for f, _ in backbone(images, mask)]), repeats)
@@ -88,15 +93,20 @@ def main(argv=None):
         command = [sys.executable, __file__, "--measure", side, "--repeats", str(args.repeats)]
         sides[side] = measured(command, env, f"the {side} side")
     lines = [
-        f"forward, seconds, median of {args.repeats} after a warm-up; ratio = PyTorch / MLX (< 1: MLX slower)",
+        f"forward, seconds, median of {args.repeats} after a warm-up; ratio = PyTorch / ours (< 1: ours slower)",
         "",
-        "| convolution (in, out, kernel, stride, H, W) / model | PyTorch | MLX | ratio |",
-        "| --- | ---: | ---: | ---: |",
+        "MLX: mx.conv2d; ours: backbone.Conv2d (1 x 1 as a matrix product, the others mx.conv2d)",
+        "",
+        "| convolution (in, out, kernel, stride, H, W) / model | PyTorch | MLX | ours | ratio (PyTorch / ours) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
-    for key in sides["mlx"]:
-        mine, theirs = sides["mlx"][key], sides["torch"][key]
-        name = "ResNet-50 at 800 x 1066 (this port's backbone / transformers')" if key == "resnet50" else key
-        lines.append(f"| {name} | {theirs:.4f} | {mine:.4f} | {theirs / mine:.2f} |")
+    for key, mine in sides["mlx"].items():
+        theirs = sides["torch"][key]
+        if key == "resnet50":
+            name, plain, mine = "ResNet-50 at 800 x 1066 (this port's backbone / transformers')", "", mine
+        else:
+            name, plain, mine = key, f"{mine['mlx']:.4f}", mine["ours"]
+        lines.append(f"| {name} | {theirs:.4f} | {plain} | {mine:.4f} | {theirs / mine:.2f} |")
     report(lines, args.output)
 
 

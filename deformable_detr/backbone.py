@@ -41,17 +41,26 @@ class FrozenBatchNorm2d(nn.Module):
 
 
 class Conv2d(nn.Conv2d):
-    """`nn.Conv2d` whose strided form, on the CPU, takes its input gradient from a stride-1
-    convolution: MLX's CPU gradient of a strided convolution w.r.t. its input (a transposed,
-    input-dilated convolution) runs about 50x slower than the convolution itself, and it was most of
-    an R50 training step. Same parameters, same numbers."""
+    """`nn.Conv2d` with two forms of its own on the CPU, same parameters, same numbers:
+    - 1 x 1: a matrix product. MLX's CPU convolution copies its whole input twice on one thread
+      (padding, then im2col) before the same GEMM; the product computes the identical output in
+      about 60% of the time, and its gradients are matrix products too (bench/conv.py).
+    - strided: the input gradient from a stride-1 convolution. MLX's CPU gradient of a strided
+      convolution w.r.t. its input (a transposed, input-dilated convolution) runs about 50x slower
+      than the convolution itself, and it was most of an R50 training step."""
 
     def __call__(self, x):
-        stride, padding = self.stride[0], self.padding[0]
+        (stride, stride_w), (padding, padding_w) = self.stride, self.padding
         dilation = self.dilation if isinstance(self.dilation, int) else self.dilation[0]
-        if stride == 1 or mx.default_device().type != mx.cpu or self.stride[1] != stride:
+        pointwise = self.weight.shape[1:3] == (1, 1) and padding == 0 and self.groups == 1
+        if mx.default_device().type != mx.cpu or (stride, padding) != (stride_w, padding_w):
             return super().__call__(x)
-        y = _strided_conv(stride, padding, dilation)(x, self.weight)
+        if pointwise:
+            y = x[:, ::stride, ::stride] @ self.weight.reshape(self.weight.shape[0], -1).T
+        elif stride > 1:
+            y = _strided_conv(stride, padding, dilation)(x, self.weight)
+        else:
+            return super().__call__(x)
         return y + self.bias if "bias" in self else y
 
 

@@ -72,7 +72,7 @@ class DeformableDETR(nn.Module):
 
         in_channels = backbone.num_channels
         self.input_proj = [
-            [nn.Conv2d(c, hidden_dim, 1), GroupNorm(32, hidden_dim, pytorch_compatible=True)] for c in in_channels
+            [Conv2d(c, hidden_dim, 1), GroupNorm(32, hidden_dim, pytorch_compatible=True)] for c in in_channels
         ]
         extra_in = in_channels[-1]
         for _ in range(num_feature_levels - len(in_channels)):  # extra levels: 3x3 stride-2 convolutions

@@ -1,5 +1,6 @@
-"""The backbone's strided convolution: on the CPU its input gradient comes from a stride-1
-convolution of the spread output gradient (MLX's own is ~50x slower there); same numbers."""
+"""The backbone's convolutions of their own on the CPU, against `mx.conv2d` with gradients: 1 x 1
+as a matrix product (MLX's copies its input twice first), and the strided form, whose input gradient
+comes from a stride-1 convolution of the spread output gradient (MLX's own is ~50x slower there)."""
 
 import mlx.core as mx
 import numpy as np
@@ -8,15 +9,18 @@ import pytest
 from deformable_detr.backbone import Conv2d
 
 
-@pytest.mark.parametrize("kernel,size,bias", [(1, (8, 11), False), (3, (9, 12), False), (3, (10, 10), True)])
-def test_strided_conv_equals_mlx_conv_with_gradients(kernel, size, bias, rng):
-    conv = Conv2d(5, 4, kernel, stride=2, padding=kernel // 2, bias=bias)
+@pytest.mark.parametrize(
+    "kernel,stride,size,bias",
+    [(1, 2, (8, 11), False), (3, 2, (9, 12), False), (3, 2, (10, 10), True), (1, 1, (7, 9), True), (1, 3, (10, 8), False)],
+)
+def test_conv_equals_mlx_conv_with_gradients(kernel, stride, size, bias, rng):
+    conv = Conv2d(5, 4, kernel, stride=stride, padding=kernel // 2, bias=bias)
     if bias:
         conv.bias = mx.array(rng.standard_normal(4).astype(np.float32))
     x = mx.array(rng.standard_normal((2, *size, 5)).astype(np.float32))
 
     def reference(x, weight):
-        out = mx.conv2d(x, weight, stride=2, padding=kernel // 2)
+        out = mx.conv2d(x, weight, stride=stride, padding=kernel // 2)
         return out + conv.bias if bias else out
 
     def ours(x, weight):
@@ -27,6 +31,8 @@ def test_strided_conv_equals_mlx_conv_with_gradients(kernel, size, bias, rng):
     weight = conv.weight
     for f in (reference, ours):
         assert f(x, weight).shape == cotangent.shape
+    if kernel == 1:  # the same GEMM as MLX's convolution, on the same rows
+        assert mx.array_equal(ours(x, weight), reference(x, weight)).item()
     np.testing.assert_allclose(np.array(ours(x, weight)), np.array(reference(x, weight)), rtol=1e-6, atol=1e-6)
     got = mx.grad(lambda a, w: (ours(a, w) * cotangent).sum(), argnums=(0, 1))(x, weight)
     want = mx.grad(lambda a, w: (reference(a, w) * cotangent).sum(), argnums=(0, 1))(x, weight)
