@@ -7,6 +7,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+import kernels
+
 from .ms_deform_attn import MSDeformAttn
 from .position_encoding import sine_embedding
 from .precision import LayerNorm, to, widened
@@ -42,7 +44,7 @@ class MultiheadAttention(nn.Module):
             return x.reshape(b, -1, self.n_heads, head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = heads(q), heads(k), heads(v)
-        weights = mx.softmax((q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2), axis=-1, precise=True)
+        weights = kernels.softmax((q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2))
         out = (weights @ v).transpose(0, 2, 1, 3).reshape(b, q_len, d)
         return self.out_proj(out)
 

@@ -12,7 +12,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_native, m) {
-  m.doc() = "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment";
+  m.doc() = "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",
@@ -26,4 +26,5 @@ NB_MODULE(_native, m) {
       "value"_a, "locations"_a, "weights"_a, "shapes"_a, "value_bnlc"_a, "locations_b2qhlp"_a, "align_corners"_a,
       "padding"_a, "threads"_a);
   m.def("linear_assignment", &kernels::linear_assignment, "cost"_a, "sizes"_a);
+  m.def("softmax", &kernels::softmax, "x"_a, "threads"_a);
 }

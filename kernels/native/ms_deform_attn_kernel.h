@@ -33,6 +33,7 @@ INLINE uint32_t float_bits(float x) {
   return bits;
 }
 
+#include "parallel.h"
 #include "sampling.h"
 
 // On x86-64 the loops are compiled twice, for AVX2 and for the baseline, and chosen by what the CPU
@@ -47,6 +48,8 @@ static bool wide_supported() { return false; }
 #endif
 
 namespace ms_deform_attn_cpu {
+
+using kernels_native::parallel_rows;
 
 struct Problem {
   const float* value;
@@ -165,19 +168,6 @@ struct Row {
     return float4{x[0] + x[1], x[2] + x[3], y[0] + y[1], y[2] + y[3]};
   }
 };
-
-template <typename Work>
-void parallel_rows(int64_t rows, int threads, Work work) {
-  threads = threads < 1 ? 1 : (threads > rows ? (rows > 0 ? int(rows) : 1) : threads);
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) {
-    pool.emplace_back(work, t, rows * t / threads, rows * (t + 1) / threads);
-  }
-  work(0, 0, rows / threads);
-  for (auto& thread : pool) {
-    thread.join();
-  }
-}
 
 // The taps of one (batch, query, head): every level and point, located first (from per-point copies
 // of the levels' sizes) and their rows prefetched, so that the memory reads of the 4 * levels *

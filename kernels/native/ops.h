@@ -30,4 +30,7 @@ array ms_deform_attn(const array& value, const array& locations, const array& we
 // b's targets to its queries (each size <= Q).
 array linear_assignment(const array& cost, const std::vector<int>& sizes);
 
+// x float32, any shape: the softmax over its last axis, MLX's CPU softmax bit for bit.
+array softmax(const array& x, int threads);
+
 }  // namespace kernels

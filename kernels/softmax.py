@@ -1,0 +1,20 @@
+"""`softmax` over the last axis: `mx.softmax(x, axis=-1, precise=True)`, the same numbers.
+
+On the CPU, for float32, it is the C++ operation of `kernels._native`: MLX's CPU arithmetic bit for
+bit (its exp polynomial, the sum in order, the reciprocal), on every core and in vector instructions.
+MLX's Linux build evaluates that polynomial one element at a time through libm's fma (about 16 ns an
+element: an R50 encoder layer's attention weights at 800 x 1066 took 34 ms, 4.8 ms here). Its VJP is
+MLX's. Elsewhere, and for other dtypes, it is `mx.softmax`.
+"""
+
+import mlx.core as mx
+
+from . import native
+from .cpu import threads
+
+
+def softmax(x: mx.array) -> mx.array:
+    extension = native.module()
+    if extension is None or x.dtype != mx.float32 or mx.default_device().type != mx.cpu:
+        return mx.softmax(x, axis=-1, precise=True)
+    return extension.softmax(x, threads())

@@ -1,0 +1,84 @@
+"""`kernels.softmax` against `mx.softmax(x, axis=-1, precise=True)`: bit for bit, forward and
+gradient, on rows of the model's lengths, arguments at the exp polynomial's edges and non-finite
+rows; threads; lazy and compiled; other dtypes."""
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kernels
+from kernels import native
+
+pytestmark = pytest.mark.skipif(native.missing() is not None, reason=f"{native.missing()}")
+
+
+def assert_bits(got, want):
+    got, want = np.array(got), np.array(want)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("shape", [(3, 1), (257, 16), (2, 4, 300), (5, 33), (7,)])
+@pytest.mark.parametrize("scale", [1e-3, 3.0, 60.0])
+def test_softmax_is_mlx_softmax_bit_for_bit(shape, scale, rng):
+    x = mx.array((rng.standard_normal(shape) * scale).astype(np.float32))
+    cotangent = mx.array(rng.standard_normal(shape).astype(np.float32))
+    want, want_grad = mx.vjp(lambda a: mx.softmax(a, axis=-1, precise=True), [x], [cotangent])
+    got, got_grad = mx.vjp(kernels.softmax, [x], [cotangent])
+    assert_bits(got[0], want[0])
+    assert_bits(got_grad[0], want_grad[0])
+
+
+def test_softmax_at_the_exp_polynomials_edges(rng):
+    # after the row's maximum is taken off, the exponentials' arguments span [-100, 0]: the -88
+    # cut-off, and arguments on either side of those whose x / ln 2 is a half-integer, where the
+    # polynomial's integer part changes
+    halves = (np.arange(-140, 1) + 0.5) * np.float32(np.log(2))
+    near = np.concatenate([np.nextafter(halves, -np.inf), halves, np.nextafter(halves, np.inf)]).astype(np.float32)
+    edges = np.array([-88.0, np.nextafter(-88.0, 0), np.nextafter(-88.0, -100), -87.5, -89.0, -100.0], np.float32)
+    values = np.concatenate([near[near > -100], edges, rng.uniform(-100, 0, 4000).astype(np.float32)])
+    rows = np.concatenate([values.reshape(-1, 1), np.zeros((values.size, 1), np.float32)], axis=1)
+    x = mx.array(rows)
+    assert_bits(kernels.softmax(x), mx.softmax(x, axis=-1, precise=True))
+    assert np.array(kernels.softmax(x))[:, 0].min() == 0  # below -88: exactly zero, as MLX
+
+
+def test_softmax_of_non_finite_rows_is_mlx_softmax():
+    rows = [[np.nan, 1, 2], [np.inf, 1, 2], [-np.inf, 1, 2], [-np.inf] * 3, [1e30, 0, -1e30], [3.4e38, 3.4e38, 0]]
+    x = mx.array(np.array(rows, np.float32))
+    got, want = np.array(kernels.softmax(x)), np.array(mx.softmax(x, axis=-1, precise=True))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert_bits(np.nan_to_num(got), np.nan_to_num(want))
+
+
+def test_softmax_threads_split_rows_not_results(rng, monkeypatch):
+    x = mx.array(rng.standard_normal((4099, 16)).astype(np.float32))
+    results = []
+    for count in (1, 3):
+        monkeypatch.setattr(sys.modules["kernels.softmax"], "threads", lambda count=count: count)
+        results.append(np.array(kernels.softmax(x)))
+    assert_bits(results[0], results[1])
+    assert_bits(results[0], mx.softmax(x, axis=-1, precise=True))
+
+
+def test_softmax_is_lazy_and_compiles(rng):
+    x = mx.array(rng.standard_normal((64, 16)).astype(np.float32))
+
+    def loss(a):  # an evaluation inside mx.compile would raise
+        weights = kernels.softmax(a)
+        return (weights * weights).sum()
+
+    got = mx.compile(mx.value_and_grad(loss))(x)
+    want = mx.value_and_grad(lambda a: (mx.softmax(a, axis=-1, precise=True) ** 2).sum())(x)
+    assert_bits(got[0], want[0])
+    np.testing.assert_allclose(np.array(got[1]), np.array(want[1]), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_softmax_of_other_dtypes_is_mlx_softmax(dtype, rng):
+    x = mx.array(rng.standard_normal((9, 16)).astype(np.float32)).astype(dtype)
+    got, want = kernels.softmax(x), mx.softmax(x, axis=-1, precise=True)
+    assert got.dtype == dtype
+    assert mx.array_equal(got, want).item()
