@@ -12,6 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+import kernels
+
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
@@ -25,10 +27,11 @@ def widened(x: mx.array) -> mx.array:
 
 
 class LayerNorm(nn.LayerNorm):
-    """In float32 (or float64) whatever the input's dtype; the result in the input's."""
+    """In float32 (or float64) whatever the input's dtype; the result in the input's. On
+    `kernels.layer_norm` (MLX's, faster on the CPU)."""
 
     def __call__(self, x):
-        return to(super().__call__(widened(x)), x.dtype)
+        return to(kernels.layer_norm(widened(x), self.weight, self.bias, self.eps), x.dtype)
 
 
 class GroupNorm(nn.GroupNorm):

@@ -12,7 +12,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_native, m) {
-  m.doc() = "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax";
+  m.doc() = "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",
@@ -27,4 +27,5 @@ NB_MODULE(_native, m) {
       "padding"_a, "threads"_a);
   m.def("linear_assignment", &kernels::linear_assignment, "cost"_a, "sizes"_a);
   m.def("softmax", &kernels::softmax, "x"_a, "threads"_a);
+  m.def("layer_norm", &kernels::layer_norm, "x"_a, "weight"_a, "bias"_a, "eps"_a, "threads"_a);
 }

@@ -33,4 +33,8 @@ array linear_assignment(const array& cost, const std::vector<int>& sizes);
 // x float32, any shape: the softmax over its last axis, MLX's CPU softmax bit for bit.
 array softmax(const array& x, int threads);
 
+// x float32 (..., n), weight and bias (n,): the layer norm over the last axis, MLX's CPU layer norm
+// bit for bit; its VJP from the input alone.
+array layer_norm(const array& x, const array& weight, const array& bias, float eps, int threads);
+
 }  // namespace kernels

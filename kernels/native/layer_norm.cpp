@@ -1,0 +1,240 @@
+// layer_norm over the last axis as MLX Primitives, on every core.
+//
+// Forward: MLX's CPU layer norm bit for bit. On the CPU `mx.fast.layer_norm` is its fallback, a
+// chain of MLX operations (mlx/fast.cpp): mean = sum * float(1.0 / n), the sums in order from zero;
+// xc = x - mean; var = sum(xc * xc) * float(1.0 / n); y = xc * (1 / sqrt(var + eps)) * w + b, each
+// step rounded. Those are about ten passes over the input on one thread, and the backward
+// differentiates all of them; here a row is read once per pass, eight rows at a time.
+// Backward: the usual closed form from the input (not MLX's graph, so not bit for bit):
+// dx = r (g w - mean(g w) - xhat mean(g w xhat)), dw = sum(g xhat), db = sum(g) over the rows, the
+// weight and bias sums in fixed blocks of rows added in order, whatever the thread count.
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "ops.h"
+#include "parallel.h"
+
+namespace kernels {
+
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr int ROWS = 8;             // rows whose sums run side by side (independent add chains)
+constexpr int64_t BLOCK_ROWS = 64;  // rows per partial sum of the weight and bias gradients
+
+struct Rows {
+  const float* x;
+  int64_t rows;
+  int n;
+  float inverse_n, eps;
+};
+
+// mean and 1 / sqrt(var + eps) of rows [row, row + count), count <= ROWS, as MLX rounds them.
+static inline __attribute__((always_inline)) void moments(const Rows& p, int64_t row, int count, float* mean,
+                                                          float* rstd) {
+  float sum[ROWS] = {}, squares[ROWS] = {};
+  const float* x = p.x + row * p.n;
+  for (int i = 0; i < p.n; ++i) {
+    for (int r = 0; r < ROWS; ++r) {
+      sum[r] += r < count ? x[r * p.n + i] : 0.0f;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    mean[r] = sum[r] * p.inverse_n;
+  }
+  for (int i = 0; i < p.n; ++i) {
+    for (int r = 0; r < ROWS; ++r) {
+      const float centred = (r < count ? x[r * p.n + i] : 0.0f) - mean[r];
+      squares[r] += centred * centred;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    rstd[r] = 1.0f / std::sqrt(squares[r] * p.inverse_n + p.eps);
+  }
+}
+
+void forward_rows(const Rows& p, const float* w, const float* b, float* out, int64_t begin, int64_t end) {
+  float mean[ROWS], rstd[ROWS];
+  for (int64_t row = begin; row < end; row += ROWS) {
+    const int count = int(std::min<int64_t>(ROWS, end - row));
+    moments(p, row, count, mean, rstd);
+    for (int r = 0; r < count; ++r) {
+      const float* x = p.x + (row + r) * p.n;
+      float* y = out + (row + r) * p.n;
+      for (int i = 0; i < p.n; ++i) {
+        y[i] = (x[i] - mean[r]) * rstd[r] * w[i] + b[i];
+      }
+    }
+  }
+}
+
+// dx for rows [begin, end); the rows' g * xhat and g added to dw_part and db_part (n each).
+void backward_rows(const Rows& p, const float* w, const float* g, float* dx, float* dw_part, float* db_part,
+                   int64_t begin, int64_t end) {
+  float mean[ROWS], rstd[ROWS];
+  for (int64_t row = begin; row < end; row += ROWS) {
+    const int count = int(std::min<int64_t>(ROWS, end - row));
+    moments(p, row, count, mean, rstd);
+    for (int r = 0; r < count; ++r) {
+      const float* x = p.x + (row + r) * p.n;
+      const float* gr = g + (row + r) * p.n;
+      float* d = dx + (row + r) * p.n;
+      float sum_wg = 0.0f, sum_wg_xhat = 0.0f;
+      for (int i = 0; i < p.n; ++i) {
+        const float xhat = (x[i] - mean[r]) * rstd[r];
+        const float wg = w[i] * gr[i];
+        sum_wg += wg;
+        sum_wg_xhat += wg * xhat;
+        dw_part[i] += gr[i] * xhat;
+        db_part[i] += gr[i];
+      }
+      const float mean_wg = sum_wg * p.inverse_n, mean_wg_xhat = sum_wg_xhat * p.inverse_n;
+      for (int i = 0; i < p.n; ++i) {
+        const float xhat = (x[i] - mean[r]) * rstd[r];
+        d[i] = rstd[r] * (w[i] * gr[i] - mean_wg - xhat * mean_wg_xhat);
+      }
+    }
+  }
+}
+
+Rows rows_of(const array& x, float eps) {
+  const int n = x.shape(-1);
+  return {x.data<float>(), n == 0 ? 0 : int64_t(x.size()) / n, n, float(1.0 / n), eps};
+}
+
+int threads_for(int64_t elements, int threads) {
+  // at least 16,384 elements a thread: a thread's start costs about what a small block does
+  return int(std::max<int64_t>(1, std::min<int64_t>(threads, elements / 16384)));
+}
+
+class LayerNormBackward : public mx::Primitive {
+ public:
+  LayerNormBackward(mx::Stream stream, float eps, int threads) : mx::Primitive(stream), eps_(eps), threads_(threads) {}
+
+  // inputs: x, w, cotangent; outputs: dx, dw, db
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) {
+      encoder.set_input_array(in);
+    }
+    for (auto& out : outputs) {
+      encoder.set_output_array(out);
+    }
+    encoder.dispatch([inputs, outputs, eps = eps_, threads = threads_]() mutable {
+      const auto p = rows_of(inputs[0], eps);
+      const float *w = inputs[1].data<float>(), *g = inputs[2].data<float>();
+      float *dx = outputs[0].data<float>(), *dw = outputs[1].data<float>(), *db = outputs[2].data<float>();
+      const int64_t blocks = (p.rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+      std::vector<float> parts(size_t(blocks) * 2 * p.n, 0.0f);  // per block: dw, then db
+      kernels_native::parallel_rows(blocks, threads_for(int64_t(p.rows) * p.n, threads), [&](int, int64_t first, int64_t last) {
+        for (int64_t block = first; block < last; ++block) {
+          float* part = parts.data() + block * 2 * p.n;
+          backward_rows(p, w, g, dx, part, part + p.n, block * BLOCK_ROWS, std::min(p.rows, (block + 1) * BLOCK_ROWS));
+        }
+      });
+      std::fill(dw, dw + p.n, 0.0f);
+      std::fill(db, db + p.n, 0.0f);
+      for (int64_t block = 0; block < blocks; ++block) {
+        const float* part = parts.data() + block * 2 * p.n;
+        for (int i = 0; i < p.n; ++i) {
+          dw[i] += part[i];
+          db[i] += part[p.n + i];
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("kernels layer_norm runs on the CPU only");
+  }
+  const char* name() const override { return "KernelsLayerNormBackward"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const LayerNormBackward&>(other);
+    return eps_ == o.eps_ && threads_ == o.threads_;
+  }
+
+ private:
+  float eps_;
+  int threads_;
+};
+
+class LayerNorm : public mx::UnaryPrimitive {
+ public:
+  LayerNorm(mx::Stream stream, float eps, int threads) : mx::UnaryPrimitive(stream), eps_(eps), threads_(threads) {}
+
+  // inputs: x, w, b
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) {
+      encoder.set_input_array(in);
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([inputs, out_ptr = out.data<float>(), eps = eps_, threads = threads_]() {
+      const auto p = rows_of(inputs[0], eps);
+      const float *w = inputs[1].data<float>(), *b = inputs[2].data<float>();
+      kernels_native::parallel_rows(p.rows, threads_for(int64_t(p.rows) * p.n, threads), [&](int, int64_t begin, int64_t end) {
+        forward_rows(p, w, b, out_ptr, begin, end);
+      });
+    });
+  }
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("kernels layer_norm runs on the CPU only");
+  }
+
+  std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
+                         const std::vector<int>& argnums, const std::vector<array>&) override {
+    auto grads = array::make_arrays({primals[0].shape(), primals[1].shape(), primals[2].shape()},
+                                    {mx::float32, mx::float32, mx::float32},
+                                    std::make_shared<LayerNormBackward>(stream(), eps_, threads_),
+                                    {primals[0], primals[1], mx::contiguous(cotangents[0], false, stream())});
+    std::vector<array> chosen;
+    for (int arg : argnums) {
+      chosen.push_back(grads[arg]);
+    }
+    return chosen;
+  }
+
+  const char* name() const override { return "KernelsLayerNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const LayerNorm&>(other);
+    return eps_ == o.eps_ && threads_ == o.threads_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  float eps_;
+  int threads_;
+};
+
+}  // namespace
+
+array layer_norm(const array& x, const array& weight, const array& bias, float eps, int threads) {
+  const int n = x.ndim() == 0 ? 0 : x.shape(-1);
+  for (const auto* a : {&x, &weight, &bias}) {
+    if (a->dtype() != mx::float32) {
+      throw std::invalid_argument("layer_norm: float32 only (kernels.layer_norm hands other dtypes to MLX)");
+    }
+  }
+  if (x.ndim() == 0 || weight.ndim() != 1 || bias.ndim() != 1 || weight.shape(0) != n || bias.shape(0) != n) {
+    throw std::invalid_argument("layer_norm: weight and bias must be (n,) for an input (..., n)");
+  }
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  auto prepared = [&](const array& a) { return mx::contiguous(a, false, stream); };
+  return array(x.shape(), mx::float32, std::make_shared<LayerNorm>(stream, eps, threads),
+               {prepared(x), prepared(weight), prepared(bias)});
+}
+
+}  // namespace kernels
