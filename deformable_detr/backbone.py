@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+import kernels
+
 from .precision import to
 from .recompute import ReLU, checkpointed
 
@@ -47,7 +49,9 @@ class Conv2d(nn.Conv2d):
       about 60% of the time, and its gradients are matrix products too (bench/conv.py).
     - strided: the input gradient from a stride-1 convolution. MLX's CPU gradient of a strided
       convolution w.r.t. its input (a transposed, input-dilated convolution) runs about 50x slower
-      than the convolution itself, and it was most of an R50 training step."""
+      than the convolution itself, and it was most of an R50 training step.
+    - dilated (DC5's layer4): products of `kernels.patches`, forward and gradients. MLX's CPU
+      convolution at dilation > 1 runs its generic loop, about 70x slower (bench/conv.py)."""
 
     def __call__(self, x):
         (stride, stride_w), (padding, padding_w) = self.stride, self.padding
@@ -59,6 +63,8 @@ class Conv2d(nn.Conv2d):
             y = x[:, ::stride, ::stride] @ self.weight.reshape(self.weight.shape[0], -1).T
         elif stride > 1:
             y = _strided_conv(stride, padding, dilation)(x, self.weight)
+        elif dilation > 1 and padding <= dilation * (self.weight.shape[1] - 1):
+            y = _dilated_conv(padding, dilation)(x, self.weight)
         else:
             return super().__call__(x)
         return y + self.bias if "bias" in self else y
@@ -91,6 +97,29 @@ def _strided_conv(stride: int, padding: int, dilation: int):
         return grad_x, grad_weight
 
     return strided
+
+
+@cache
+def _dilated_conv(padding: int, dilation: int):
+    """Stride 1: x's patches times the weight; the weight's gradient the cotangent times x's patches,
+    the input's the cotangent's patches times the flipped weight (a stride-1 convolution's)."""
+
+    def forward(x, weight):
+        return kernels.patches(x, weight.shape[1], 1, padding, dilation) @ weight.reshape(weight.shape[0], -1).T
+
+    dilated = mx.custom_function(forward)
+
+    @dilated.vjp
+    def dilated_vjp(primals, cotangent, output):
+        x, weight = primals
+        out_channels, k, _, in_channels = weight.shape
+        columns = kernels.patches(x, k, 1, padding, dilation).reshape(-1, k * k * in_channels)
+        grad_weight = (cotangent.reshape(-1, out_channels).T @ columns).reshape(weight.shape)
+        flipped = weight[:, ::-1, ::-1, :].transpose(3, 1, 2, 0).reshape(in_channels, -1)
+        grad_x = kernels.patches(cotangent, k, 1, dilation * (k - 1) - padding, dilation) @ flipped.T
+        return grad_x, grad_weight
+
+    return dilated
 
 
 def conv(in_channels, out_channels, kernel_size, stride=1, dilation=1):

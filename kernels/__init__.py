@@ -1,7 +1,7 @@
 """Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and
 `ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature); beside them
-`linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax` and
-`layer_norm` (MLX's numbers on every CPU core).
+`linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
+`layer_norm` and `patches` (im2col) on every CPU core.
 
 This package knows nothing of DETR."""
 
@@ -10,6 +10,7 @@ from .backends import available as available_backends
 from .grid_sample import grid_sample
 from .layer_norm import layer_norm
 from .ms_deform_attn import BACKENDS, ms_deform_attn
+from .patches import patches
 from .softmax import softmax
 
-__all__ = ["BACKENDS", "available_backends", "grid_sample", "layer_norm", "linear_assignment", "ms_deform_attn", "softmax"]
+__all__ = ["BACKENDS", "available_backends", "grid_sample", "layer_norm", "linear_assignment", "ms_deform_attn", "patches", "softmax"]

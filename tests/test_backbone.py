@@ -1,6 +1,7 @@
 """The backbone's convolutions of their own on the CPU, against `mx.conv2d` with gradients: 1 x 1
-as a matrix product (MLX's copies its input twice first), and the strided form, whose input gradient
-comes from a stride-1 convolution of the spread output gradient (MLX's own is ~50x slower there)."""
+as a matrix product (MLX's copies its input twice first); the strided form, whose input gradient
+comes from a stride-1 convolution of the spread output gradient (MLX's own is ~50x slower there);
+the dilated one from patches (MLX's takes its generic loop)."""
 
 import mlx.core as mx
 import numpy as np
@@ -10,17 +11,26 @@ from deformable_detr.backbone import Conv2d
 
 
 @pytest.mark.parametrize(
-    "kernel,stride,size,bias",
-    [(1, 2, (8, 11), False), (3, 2, (9, 12), False), (3, 2, (10, 10), True), (1, 1, (7, 9), True), (1, 3, (10, 8), False)],
+    "kernel,stride,dilation,size,bias",
+    [
+        (1, 2, 1, (8, 11), False),
+        (3, 2, 1, (9, 12), False),
+        (3, 2, 1, (10, 10), True),
+        (1, 1, 1, (7, 9), True),
+        (1, 3, 1, (10, 8), False),
+        (3, 1, 2, (9, 12), False),
+        (3, 1, 3, (11, 8), True),
+    ],
 )
-def test_conv_equals_mlx_conv_with_gradients(kernel, stride, size, bias, rng):
-    conv = Conv2d(5, 4, kernel, stride=stride, padding=kernel // 2, bias=bias)
+def test_conv_equals_mlx_conv_with_gradients(kernel, stride, dilation, size, bias, rng):
+    padding = dilation * (kernel // 2)
+    conv = Conv2d(5, 4, kernel, stride=stride, padding=padding, dilation=dilation, bias=bias)
     if bias:
         conv.bias = mx.array(rng.standard_normal(4).astype(np.float32))
     x = mx.array(rng.standard_normal((2, *size, 5)).astype(np.float32))
 
     def reference(x, weight):
-        out = mx.conv2d(x, weight, stride=stride, padding=kernel // 2)
+        out = mx.conv2d(x, weight, stride=stride, padding=padding, dilation=dilation)
         return out + conv.bias if bias else out
 
     def ours(x, weight):
