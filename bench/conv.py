@@ -47,7 +47,9 @@ def measure_mlx(repeats):
         x = mx.random.normal((1, h, w, c_in))
         mx.eval(x, conv.parameters())
         result[str((c_in, c_out, k, s, h, w))] = {
-            "mlx": median(lambda x=x, conv=conv: mx.eval(mx.conv2d(x, conv.weight, conv.stride, conv.padding)), repeats),
+            "mlx": median(
+                lambda x=x, conv=conv: mx.eval(mx.conv2d(x, conv.weight, conv.stride, conv.padding)), repeats
+            ),
             "ours": median(lambda x=x, conv=conv: mx.eval(conv(x)), repeats),
         }
     backbone = build_model(load_config(ROOT / "configs" / "r50.yaml")).backbone[0]

@@ -13,4 +13,13 @@ from .ms_deform_attn import BACKENDS, ms_deform_attn
 from .patches import patches
 from .softmax import softmax
 
-__all__ = ["BACKENDS", "available_backends", "grid_sample", "layer_norm", "linear_assignment", "ms_deform_attn", "patches", "softmax"]
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "grid_sample",
+    "layer_norm",
+    "linear_assignment",
+    "ms_deform_attn",
+    "patches",
+    "softmax",
+]

@@ -37,11 +37,16 @@ def _by_slices(x, k, stride, padding, dilation):
     out_h = (h + 2 * padding - dilation * (k - 1) - 1) // stride + 1
     out_w = (w + 2 * padding - dilation * (k - 1) - 1) // stride + 1
     if out_h < 1 or out_w < 1:
-        raise ValueError(f"patches: a {k} x {k} kernel at dilation {dilation} does not fit {h} x {w} padded by {padding}")
+        raise ValueError(
+            f"patches: a {k} x {k} kernel at dilation {dilation} does not fit {h} x {w} padded by {padding}"
+        )
     padded = mx.pad(x, [(0, 0), (padding, padding), (padding, padding), (0, 0)])
     taps = [
-        padded[:, ky * dilation : ky * dilation + (out_h - 1) * stride + 1 : stride,
-               kx * dilation : kx * dilation + (out_w - 1) * stride + 1 : stride]
+        padded[
+            :,
+            ky * dilation : ky * dilation + (out_h - 1) * stride + 1 : stride,
+            kx * dilation : kx * dilation + (out_w - 1) * stride + 1 : stride,
+        ]
         for ky in range(k)
         for kx in range(k)
     ]

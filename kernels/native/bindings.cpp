@@ -12,7 +12,9 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_native, m) {
-  m.doc() = "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm, patches";
+  m.doc() =
+      "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm, "
+      "patches";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",

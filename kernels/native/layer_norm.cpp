@@ -15,11 +15,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "dispatch.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -63,48 +62,51 @@ static inline __attribute__((always_inline)) void moments(const Rows& p, int64_t
   }
 }
 
-void forward_rows(const Rows& p, const float* w, const float* b, float* out, int64_t begin, int64_t end) {
+// f(row, mean, rstd) for each row of [begin, end), the moments computed ROWS rows at a time.
+template <typename F>
+static inline __attribute__((always_inline)) void each_row(const Rows& p, int64_t begin, int64_t end, F f) {
   float mean[ROWS], rstd[ROWS];
   for (int64_t row = begin; row < end; row += ROWS) {
     const int count = int(std::min<int64_t>(ROWS, end - row));
     moments(p, row, count, mean, rstd);
     for (int r = 0; r < count; ++r) {
-      const float* x = p.x + (row + r) * p.n;
-      float* y = out + (row + r) * p.n;
-      for (int i = 0; i < p.n; ++i) {
-        y[i] = (x[i] - mean[r]) * rstd[r] * w[i] + b[i];
-      }
+      f(row + r, mean[r], rstd[r]);
     }
   }
+}
+
+void forward_rows(const Rows& p, const float* w, const float* b, float* out, int64_t begin, int64_t end) {
+  each_row(p, begin, end, [&](int64_t row, float mean, float rstd) {
+    const float* x = p.x + row * p.n;
+    float* y = out + row * p.n;
+    for (int i = 0; i < p.n; ++i) {
+      y[i] = (x[i] - mean) * rstd * w[i] + b[i];
+    }
+  });
 }
 
 // dx for rows [begin, end); the rows' g * xhat and g added to dw_part and db_part (n each).
 void backward_rows(const Rows& p, const float* w, const float* g, float* dx, float* dw_part, float* db_part,
                    int64_t begin, int64_t end) {
-  float mean[ROWS], rstd[ROWS];
-  for (int64_t row = begin; row < end; row += ROWS) {
-    const int count = int(std::min<int64_t>(ROWS, end - row));
-    moments(p, row, count, mean, rstd);
-    for (int r = 0; r < count; ++r) {
-      const float* x = p.x + (row + r) * p.n;
-      const float* gr = g + (row + r) * p.n;
-      float* d = dx + (row + r) * p.n;
-      float sum_wg = 0.0f, sum_wg_xhat = 0.0f;
-      for (int i = 0; i < p.n; ++i) {
-        const float xhat = (x[i] - mean[r]) * rstd[r];
-        const float wg = w[i] * gr[i];
-        sum_wg += wg;
-        sum_wg_xhat += wg * xhat;
-        dw_part[i] += gr[i] * xhat;
-        db_part[i] += gr[i];
-      }
-      const float mean_wg = sum_wg * p.inverse_n, mean_wg_xhat = sum_wg_xhat * p.inverse_n;
-      for (int i = 0; i < p.n; ++i) {
-        const float xhat = (x[i] - mean[r]) * rstd[r];
-        d[i] = rstd[r] * (w[i] * gr[i] - mean_wg - xhat * mean_wg_xhat);
-      }
+  each_row(p, begin, end, [&](int64_t row, float mean, float rstd) {
+    const float* x = p.x + row * p.n;
+    const float* gr = g + row * p.n;
+    float* d = dx + row * p.n;
+    float sum_wg = 0.0f, sum_wg_xhat = 0.0f;
+    for (int i = 0; i < p.n; ++i) {
+      const float xhat = (x[i] - mean) * rstd;
+      const float wg = w[i] * gr[i];
+      sum_wg += wg;
+      sum_wg_xhat += wg * xhat;
+      dw_part[i] += gr[i] * xhat;
+      db_part[i] += gr[i];
     }
-  }
+    const float mean_wg = sum_wg * p.inverse_n, mean_wg_xhat = sum_wg_xhat * p.inverse_n;
+    for (int i = 0; i < p.n; ++i) {
+      const float xhat = (x[i] - mean) * rstd;
+      d[i] = rstd * (w[i] * gr[i] - mean_wg - xhat * mean_wg_xhat);
+    }
+  });
 }
 
 Rows rows_of(const array& x, float eps) {
@@ -123,16 +125,7 @@ class LayerNormBackward : public mx::Primitive {
 
   // inputs: x, w, cotangent; outputs: dx, dw, db
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    for (auto& out : outputs) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) {
-      encoder.set_input_array(in);
-    }
-    for (auto& out : outputs) {
-      encoder.set_output_array(out);
-    }
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, outputs);
     encoder.dispatch([inputs, outputs, eps = eps_, threads = threads_]() mutable {
       const auto p = rows_of(inputs[0], eps);
       const float *w = inputs[1].data<float>(), *g = inputs[2].data<float>();
@@ -176,12 +169,7 @@ class LayerNorm : public mx::UnaryPrimitive {
 
   // inputs: x, w, b
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) {
-      encoder.set_input_array(in);
-    }
-    encoder.set_output_array(out);
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
     encoder.dispatch([inputs, out_ptr = out.data<float>(), eps = eps_, threads = threads_]() {
       const auto p = rows_of(inputs[0], eps);
       const float *w = inputs[1].data<float>(), *b = inputs[2].data<float>();

@@ -7,11 +7,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "dispatch.h"
 #include "ops.h"
 
 namespace kernels {
@@ -87,10 +86,7 @@ class LinearAssignment : public mx::UnaryPrimitive {
   LinearAssignment(mx::Stream stream, std::vector<int> sizes) : mx::UnaryPrimitive(stream), sizes_(std::move(sizes)) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_output_array(out);
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
     encoder.dispatch([cost = inputs[0], out_ptr = out.data<int32_t>(), sizes = sizes_]() {
       if (!cost.flags().row_contiguous) {
         throw std::runtime_error("linear_assignment: the cost is not row-contiguous");

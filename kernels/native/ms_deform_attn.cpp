@@ -5,11 +5,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "dispatch.h"
 #include "ms_deform_attn_kernel.h"
 #include "ops.h"
 
@@ -66,16 +65,7 @@ class MSDeformAttnBackward : public mx::Primitive {
 
   // inputs: value, locations, weights, cotangent of the output.
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    for (auto& out : outputs) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) {
-      encoder.set_input_array(in);
-    }
-    for (auto& out : outputs) {
-      encoder.set_output_array(out);
-    }
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, outputs);
     encoder.dispatch([inputs, outputs, spec = spec_, threads = threads_]() mutable {
       require_contiguous(inputs);
       const auto starts = level_starts(spec);
@@ -104,12 +94,7 @@ class MSDeformAttn : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), spec_(std::move(spec)), threads_(threads) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) {
-      encoder.set_input_array(in);
-    }
-    encoder.set_output_array(out);
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
     encoder.dispatch([inputs, out_ptr = out.data<float>(), spec = spec_, threads = threads_]() {
       require_contiguous(inputs);
       const auto starts = level_starts(spec);

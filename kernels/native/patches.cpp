@@ -7,11 +7,10 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "dispatch.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -55,10 +54,7 @@ class Patches : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), geometry_(geometry), threads_(threads) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_output_array(out);
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
     encoder.dispatch([x = inputs[0].data<float>(), out_ptr = out.data<float>(), g = geometry_, threads = threads_]() {
       const int64_t rows = int64_t(g.batch) * g.out_h;
       const int64_t bytes = rows * g.out_w * g.kernel_h * g.kernel_w * g.channels * int64_t(sizeof(float));

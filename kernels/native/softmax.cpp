@@ -9,11 +9,10 @@
 #include <limits>
 #include <stdexcept>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "dispatch.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -92,10 +91,7 @@ class Softmax : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     const auto& in = inputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(in);
-    encoder.set_output_array(out);
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
     const int n = in.ndim() == 0 ? 1 : in.shape(-1);
     const int64_t rows = n == 0 ? 0 : int64_t(in.size()) / n;
     encoder.dispatch([in_ptr = in.data<float>(), out_ptr = out.data<float>(), n, rows, threads = threads_]() {
