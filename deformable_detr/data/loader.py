@@ -117,7 +117,8 @@ class DataLoader:
             # Stopped early (an error, or the consumer closed us): let the worker threads run out the
             # stream, each remaining batch a no-op, so none is left running when the process exits
             # (mlx-data's threads still running at exit abort it: "terminate called without an
-            # active exception").
+            # active exception"). Freeing a stream joins its pool's threads, and mlx-data 0.1.0's
+            # pool can miss its stop signal there and hang (ml-explore/mlx-data PR #112; seen once).
             stopping.set()
             for _ in stream:
                 pass
