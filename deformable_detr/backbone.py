@@ -43,7 +43,8 @@ class FrozenBatchNorm2d(nn.Module):
 
 
 class Conv2d(nn.Conv2d):
-    """`nn.Conv2d` with two forms of its own on the CPU, same parameters, same numbers:
+    """`nn.Conv2d` with three forms of its own on the CPU, same parameters; outputs MLX's bit for bit
+    but the dilated form's (summed in another order), gradients to float32 rounding:
     - 1 x 1: a matrix product. MLX's CPU convolution copies its whole input twice on one thread
       (padding, then im2col) before the same GEMM; the product computes the identical output in
       about 60% of the time, and its gradients are matrix products too (bench/conv.py).
@@ -51,7 +52,7 @@ class Conv2d(nn.Conv2d):
       convolution w.r.t. its input (a transposed, input-dilated convolution) runs about 50x slower
       than the convolution itself, and it was most of an R50 training step.
     - dilated (DC5's layer4): products of `kernels.patches`, forward and gradients. MLX's CPU
-      convolution at dilation > 1 runs its generic loop, about 70x slower (bench/conv.py)."""
+      convolution at dilation > 1 runs its generic loop, about 70x slower (kernels/patches.py)."""
 
     def __call__(self, x):
         (stride, stride_w), (padding, padding_w) = self.stride, self.padding

@@ -15,8 +15,7 @@ from .cpu import threads
 
 
 def layer_norm(x: mx.array, weight: mx.array, bias: mx.array, eps: float) -> mx.array:
-    extension = native.module()
-    dtypes = {x.dtype, weight.dtype, bias.dtype}
-    if extension is None or dtypes != {mx.float32} or mx.default_device().type != mx.cpu:
+    extension = native.for_float32(x, weight, bias)
+    if extension is None:
         return mx.fast.layer_norm(x, weight, bias, eps)
     return extension.layer_norm(x, weight, bias, eps, threads())

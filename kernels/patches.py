@@ -26,20 +26,25 @@ def patches(x: mx.array, kernel_size: int, stride: int = 1, padding: int = 0, di
             f"patches: kernel_size {kernel_size}, stride {stride}, dilation {dilation} must be positive and "
             f"padding {padding} not negative"
         )
-    extension = native.module()
-    if extension is None or x.dtype != mx.float32 or mx.default_device().type != mx.cpu:
+    _output_size(x, kernel_size, stride, padding, dilation)  # refuses a kernel that does not fit
+    if native.for_float32(x) is None:
         return _by_slices(x, kernel_size, stride, padding, dilation)
     return _native(kernel_size, stride, padding, dilation)(x)
 
 
-def _by_slices(x, k, stride, padding, dilation):
-    n, h, w, _ = x.shape
+def _output_size(x, k, stride, padding, dilation) -> tuple[int, int]:
+    _, h, w, _ = x.shape
     out_h = (h + 2 * padding - dilation * (k - 1) - 1) // stride + 1
     out_w = (w + 2 * padding - dilation * (k - 1) - 1) // stride + 1
     if out_h < 1 or out_w < 1:
         raise ValueError(
             f"patches: a {k} x {k} kernel at dilation {dilation} does not fit {h} x {w} padded by {padding}"
         )
+    return out_h, out_w
+
+
+def _by_slices(x, k, stride, padding, dilation):
+    out_h, out_w = _output_size(x, k, stride, padding, dilation)
     padded = mx.pad(x, [(0, 0), (padding, padding), (padding, padding), (0, 0)])
     taps = [
         padded[

@@ -14,7 +14,7 @@ from .cpu import threads
 
 
 def softmax(x: mx.array) -> mx.array:
-    extension = native.module()
-    if extension is None or x.dtype != mx.float32 or mx.default_device().type != mx.cpu:
+    extension = native.for_float32(x)
+    if extension is None:
         return mx.softmax(x, axis=-1, precise=True)
     return extension.softmax(x, threads())

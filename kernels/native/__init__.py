@@ -35,3 +35,12 @@ def module():
 
 def missing() -> str | None:
     return _load()[1]
+
+
+def for_float32(*arrays):
+    """The extension where its float32 CPU operations can take `arrays` (built, the default device
+    the CPU, every array float32), or None: then the caller computes with MLX's own operations."""
+    extension = module()
+    if extension is None or mx.default_device().type != mx.cpu or any(a.dtype != mx.float32 for a in arrays):
+        return None
+    return extension

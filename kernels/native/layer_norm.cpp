@@ -30,6 +30,7 @@ namespace {
 
 constexpr int ROWS = 8;             // rows whose sums run side by side (independent add chains)
 constexpr int64_t BLOCK_ROWS = 64;  // rows per partial sum of the weight and bias gradients
+constexpr int64_t ELEMENTS_PER_THREAD = 16384;  // the least a thread is given (parallel.h)
 
 struct Rows {
   const float* x;
@@ -114,11 +115,6 @@ Rows rows_of(const array& x, float eps) {
   return {x.data<float>(), n == 0 ? 0 : int64_t(x.size()) / n, n, float(1.0 / n), eps};
 }
 
-int threads_for(int64_t elements, int threads) {
-  // at least 16,384 elements a thread: a thread's start costs about what a small block does
-  return int(std::max<int64_t>(1, std::min<int64_t>(threads, elements / 16384)));
-}
-
 class LayerNormBackward : public mx::Primitive {
  public:
   LayerNormBackward(mx::Stream stream, float eps, int threads) : mx::Primitive(stream), eps_(eps), threads_(threads) {}
@@ -132,7 +128,8 @@ class LayerNormBackward : public mx::Primitive {
       float *dx = outputs[0].data<float>(), *dw = outputs[1].data<float>(), *db = outputs[2].data<float>();
       const int64_t blocks = (p.rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
       std::vector<float> parts(size_t(blocks) * 2 * p.n, 0.0f);  // per block: dw, then db
-      kernels_native::parallel_rows(blocks, threads_for(int64_t(p.rows) * p.n, threads), [&](int, int64_t first, int64_t last) {
+      const int used = kernels_native::threads_for(p.rows * p.n, threads, ELEMENTS_PER_THREAD);
+      kernels_native::parallel_rows(blocks, used, [&](int, int64_t first, int64_t last) {
         for (int64_t block = first; block < last; ++block) {
           float* part = parts.data() + block * 2 * p.n;
           backward_rows(p, w, g, dx, part, part + p.n, block * BLOCK_ROWS, std::min(p.rows, (block + 1) * BLOCK_ROWS));
@@ -173,7 +170,8 @@ class LayerNorm : public mx::UnaryPrimitive {
     encoder.dispatch([inputs, out_ptr = out.data<float>(), eps = eps_, threads = threads_]() {
       const auto p = rows_of(inputs[0], eps);
       const float *w = inputs[1].data<float>(), *b = inputs[2].data<float>();
-      kernels_native::parallel_rows(p.rows, threads_for(int64_t(p.rows) * p.n, threads), [&](int, int64_t begin, int64_t end) {
+      const int used = kernels_native::threads_for(p.rows * p.n, threads, ELEMENTS_PER_THREAD);
+      kernels_native::parallel_rows(p.rows, used, [&](int, int64_t begin, int64_t end) {
         forward_rows(p, w, b, out_ptr, begin, end);
       });
     });
@@ -188,11 +186,7 @@ class LayerNorm : public mx::UnaryPrimitive {
                                     {mx::float32, mx::float32, mx::float32},
                                     std::make_shared<LayerNormBackward>(stream(), eps_, threads_),
                                     {primals[0], primals[1], mx::contiguous(cotangents[0], false, stream())});
-    std::vector<array> chosen;
-    for (int arg : argnums) {
-      chosen.push_back(grads[arg]);
-    }
-    return chosen;
+    return kernels_native::chosen(grads, argnums);
   }
 
   const char* name() const override { return "KernelsLayerNorm"; }

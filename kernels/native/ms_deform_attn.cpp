@@ -112,11 +112,7 @@ class MSDeformAttn : public mx::UnaryPrimitive {
     auto grads = array::make_arrays({primals[0].shape(), primals[1].shape(), primals[2].shape()},
                                     {mx::float32, mx::float32, mx::float32},
                                     std::make_shared<MSDeformAttnBackward>(stream(), spec_, threads_), inputs);
-    std::vector<array> chosen;
-    for (int arg : argnums) {
-      chosen.push_back(grads[arg]);
-    }
-    return chosen;
+    return kernels_native::chosen(grads, argnums);
   }
 
   const char* name() const override { return "MSDeformAttn"; }

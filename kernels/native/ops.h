@@ -39,7 +39,7 @@ array layer_norm(const array& x, const array& weight, const array& bias, float e
 
 // x float32 (N, H, W, C) -> (N, Ho, Wo, kernel_h * kernel_w * C): each output pixel's taps (ky, kx,
 // c), zeros outside the input; its product with a (O, kernel_h, kernel_w, C) weight reshaped to
-// (O, -1) is the convolution. Not differentiable (kernels.conv2d supplies the gradient).
+// (O, -1) is the convolution. Not differentiable (kernels.patches takes its gradient from MLX ops).
 array patches(const array& x, int kernel_h, int kernel_w, int stride, int padding, int dilation, int threads);
 
 }  // namespace kernels

@@ -3,11 +3,18 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <thread>
 #include <vector>
 
 namespace kernels_native {
+
+// How many threads `work` units are worth: at most `threads`, at least one, each given at least
+// `per_thread` units (a thread's start costs about what a small block of work does).
+inline int threads_for(int64_t work, int threads, int64_t per_thread) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(threads, work / per_thread)));
+}
 
 // work(thread, begin, end) for the rows [begin, end) of each of `threads` runs.
 template <typename Work>

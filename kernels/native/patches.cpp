@@ -58,7 +58,7 @@ class Patches : public mx::UnaryPrimitive {
     encoder.dispatch([x = inputs[0].data<float>(), out_ptr = out.data<float>(), g = geometry_, threads = threads_]() {
       const int64_t rows = int64_t(g.batch) * g.out_h;
       const int64_t bytes = rows * g.out_w * g.kernel_h * g.kernel_w * g.channels * int64_t(sizeof(float));
-      const int used = int(std::max<int64_t>(1, std::min<int64_t>(threads, bytes / (1 << 18))));
+      const int used = kernels_native::threads_for(bytes, threads, 1 << 18);
       kernels_native::parallel_rows(rows, used, [&](int, int64_t begin, int64_t end) {
         patch_rows(g, x, out_ptr, begin, end);
       });

@@ -97,8 +97,7 @@ class Softmax : public mx::UnaryPrimitive {
     encoder.dispatch([in_ptr = in.data<float>(), out_ptr = out.data<float>(), n, rows, threads = threads_]() {
       static const bool wide = wide_supported();
       const auto run = wide ? softmax_rows_wide : softmax_rows_plain;
-      // at least 4,096 elements a thread: a thread's start costs about what a small row block does
-      const int used = int(std::max<int64_t>(1, std::min<int64_t>(threads, rows * n / 4096)));
+      const int used = kernels_native::threads_for(rows * n, threads, 4096);  // elements
       kernels_native::parallel_rows(rows, used, [&](int, int64_t begin, int64_t end) {
         run(in_ptr, out_ptr, n, begin, end);
       });
