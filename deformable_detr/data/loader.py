@@ -3,6 +3,7 @@ order, per-sample augmentation seeds, padding to the largest image, mlx-data wor
 prefetch."""
 
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -117,11 +118,16 @@ class DataLoader:
             # Stopped early (an error, or the consumer closed us): let the worker threads run out the
             # stream, each remaining batch a no-op, so none is left running when the process exits
             # (mlx-data's threads still running at exit abort it: "terminate called without an
-            # active exception"). Freeing a stream joins its pool's threads, and mlx-data 0.1.0's
-            # pool can miss its stop signal there and hang (ml-explore/mlx-data PR #112; seen once).
+            # active exception").
             stopping.set()
             for _ in stream:
                 pass
+            # Freeing the stream (when this generator ends) joins its pool's threads, and mlx-data
+            # 0.1.0's pool signals stop without its mutex: a worker between its last task and its wait
+            # misses the signal and the join hangs (ml-explore/mlx-data PR #112; twice in this
+            # project's clean-clone suite runs, and within 500 create-drain-free rounds here). Workers
+            # already waiting do get the signal: give them a moment to get there.
+            time.sleep(0.01)
 
     def _received(self, element):
         """A loaded micro-batch -> (images, mask, targets); its skipped images warned of, its error raised."""
