@@ -7,7 +7,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from edge_cases import assert_same, ms_deform_attn_both_ways, ms_inputs, shapes_for
+from edge_cases import assert_same, ms_deform_attn_both_ways, ms_inputs, pixel_coordinates, shapes_for
 
 import kernels
 from kernels import backends, cpu
@@ -67,6 +67,57 @@ def test_cpu_kernel_vector_rows_compute_as_the_general_loop(rng):
     for name, got, want in zip(["output", "value", "locations", "weights"], vector_rows, general_loop, strict=True):
         np.testing.assert_array_equal(got, want, err_msg=name)
     assert np.abs(vector_rows[2]).max() > 0
+
+
+@pytest.mark.parametrize("padding,align_corners", list(itertools.product(["zeros", "border"], [False, True])))
+def test_cpu_kernel_locates_eight_points_at_once_as_one_by_one(padding, align_corners, rng):
+    """A sample's points are located eight at a time in vector registers and the rest one by one:
+    the same points, taken as 3 levels x 4 points (lanes of two levels, then four one by one) and as
+    3 levels x 1 point (all one by one), give the same location and weight gradients bit for bit
+    (each depends on its own point's taps only), and, with one point weighted, the same output; on
+    pixel centres, edges, clip limits, outside, -0, NaN and infinite points."""
+    shapes = shapes_for(align_corners)
+    heads, channels, points, groups = 1, 32, 4, 12
+    f32 = np.float32
+    pixels = np.array([-1.5, -1.0, -0.5, 0.0, 1.0, 1.5, 2.0, 3.0, 7.0, 7.5, 8.0, 9.25])
+    candidates = rng.uniform(-0.2, 1.2, (len(shapes), groups * points, 2))
+    for level, (h, w) in enumerate(shapes):
+        candidates[level, : len(pixels), 0] = pixel_coordinates(w, align_corners, np.clip(pixels, -2, w + 1))
+        candidates[level, : len(pixels), 1] = pixel_coordinates(h, align_corners, np.clip(pixels[::-1], -2, h + 1))
+    candidates[:, 12:20] = [[0.0, np.nan], [np.nan, 0.5], [np.inf, 0.5], [0.5, -np.inf], [-0.0, -0.0], [-0.0, 0.5],
+                            [1.0, 1.0], [-np.inf, np.inf]]  # fmt: skip
+    candidates = candidates.astype(f32)  # (levels, groups * points, 2)
+    value = mx.array(rng.standard_normal((1, sum(h * w for h, w in shapes), heads, channels)).astype(f32))
+    g = rng.standard_normal(channels).astype(f32)  # every query's output cotangent
+
+    def results(weights, at_once):
+        queries, per_query = (groups, points) if at_once else (groups * points, 1)
+        locations = candidates.reshape(len(shapes), queries, per_query, 2).transpose(1, 0, 2, 3)[None, :, None]
+        w = weights.reshape(len(shapes), queries, per_query).transpose(1, 0, 2)[None, :, None]
+        cotangent = mx.array(np.broadcast_to(g, (1, queries, heads * channels)).copy())
+
+        def attend(locs, w):
+            flags = dict(padding_mode=padding, align_corners=align_corners, backend="cpu")
+            return kernels.ms_deform_attn(value, shapes, None, locs, w, **flags)
+
+        (out,), grads = mx.vjp(attend, [mx.array(locations), mx.array(w)], [cotangent])
+        to_points = lambda a: np.array(a).reshape(queries, len(shapes), per_query, -1).transpose(1, 0, 2, 3)  # noqa: E731
+        return np.array(out).reshape(queries, channels), to_points(grads[0]), to_points(grads[1])
+
+    weights = rng.uniform(0, 1, (len(shapes), groups * points)).astype(f32)
+    at_once, one_by_one = results(weights, True), results(weights, False)
+    for name, got, want in zip(["locations", "weights"], at_once[1:], one_by_one[1:], strict=True):
+        np.testing.assert_array_equal(got.reshape(want.shape), want, err_msg=name)
+    assert np.abs(at_once[1]).max() > 0
+    # One point weighted per query of 3 x 4 points (at each level in turn), the same point in the
+    # one-point problem: the outputs are that point's taps alone.
+    for level in range(len(shapes)):
+        for point in range(points):
+            one = np.zeros_like(weights)
+            one[level, point::points] = weights[level, point::points]
+            out = results(one, True)[0]
+            alone = results(one, False)[0][point::points]
+            np.testing.assert_array_equal(out, alone, err_msg=f"output, level {level} point {point}")
 
 
 def test_cpu_kernel_rounds_locations_as_pytorch_on_pixel_centres(rng):

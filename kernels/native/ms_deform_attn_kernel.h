@@ -2,8 +2,8 @@
 // sample point is sampling.h's, shared with the Metal and CUDA kernels. ms_deform_attn.cpp runs it
 // inside MLX operations.
 //
-// The forward's threads split the (batch, query, head) samples in order: one query's heads read
-// neighbouring inputs. The backward's split the (batch, head) pairs and take a pair's queries in
+// The forward's threads split the (batch, query, head) samples in order: on a (B, L, H, C) value one
+// query's heads read neighbouring inputs; on (B, H, L, C) they go head by head. The backward's split the (batch, head) pairs and take a pair's queries in
 // order: each thread writes the value-gradient rows of its own heads only (no atomics, no private
 // copies), and one head's rows stay in the cache while its queries scatter into them.
 
@@ -108,6 +108,15 @@ INLINE void store8(float* to, const float8& v) {
 INLINE float8 splat8(float w) {
   return float8{w, w, w, w, w, w, w, w};
 }
+typedef int32_t int32x8 __attribute__((vector_size(32)));
+INLINE int32x8 load8i(const int* from) {
+  int32x8 v;
+  std::memcpy(&v, from, sizeof v);
+  return v;
+}
+INLINE void store8i(int* to, const int32x8& v) {
+  std::memcpy(to, &v, sizeof v);
+}
 
 template <int CHANNELS>
 struct Row {
@@ -201,22 +210,86 @@ struct Gathered {
     }
   }
 
-  template <int PADDING>
+  // Where tap k (of 4) of point i is kept: a tap's four values for eight points side by side.
+  int tap(int i, int k) const { return k * n + i; }
+
+  // Every point's taps: eight points at a time in vector registers, the rest one by one. The eight
+  // take the arithmetic of sampling.h's clip_coordinate, sanitize and bilinear_taps lane by lane, so
+  // outputs and gradients are those of the one-by-one code bit for bit (tests/test_cpu_kernel.py).
+  // Locating was most of the forward's time, one point after another. GRADIENTS: also the taps'
+  // derivatives (the backward's).
+  template <int PADDING, bool GRADIENTS>
   __attribute__((always_inline)) void locate_points(bool align_corners) {
     const float offset = align_corners ? 0.0f : 0.5f;
-    for (int i = 0; i < n; ++i) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+      locate_eight<PADDING, GRADIENTS>(i, offset);
+    }
+    for (; i < n; ++i) {
       const Padded x = pad_coordinate(ux[i] * scale_x[i] - offset, width_f[i], PADDING, align_corners);
       const Padded y = pad_coordinate(uy[i] * scale_y[i] - offset, height_f[i], PADDING, align_corners);
       const Taps taps = bilinear_taps(x.x, y.x, width[i], height[i]);
       chain_x[i] = x.dx * scale_x[i];
       chain_y[i] = y.dx * scale_y[i];
       for (int k = 0; k < 4; ++k) {
-        index[4 * i + k] = start[i] + taps.index[k];
-        weight[4 * i + k] = taps.weight[k];
-        dx[4 * i + k] = taps.dx[k];
-        dy[4 * i + k] = taps.dy[k];
+        index[tap(i, k)] = start[i] + taps.index[k];
+        weight[tap(i, k)] = taps.weight[k];
+        dx[tap(i, k)] = taps.dx[k];
+        dy[tap(i, k)] = taps.dy[k];
       }
     }
+  }
+
+  template <int PADDING, bool GRADIENTS>
+  __attribute__((always_inline)) void locate_eight(int i, float offset) {
+    const float8 size_x = load8(&width_f[i]), size_y = load8(&height_f[i]);
+    float8 x = load8(&ux[i]) * load8(&scale_x[i]) - offset;
+    float8 y = load8(&uy[i]) * load8(&scale_y[i]) - offset;
+    float8 slope_x = splat8(1.0f), slope_y = splat8(1.0f);
+    if constexpr (PADDING == 1) {  // clip_coordinate
+      slope_x = (x > 0.0f) & (x < size_x - 1.0f) ? slope_x : 0.0f;
+      slope_y = (y > 0.0f) & (y < size_y - 1.0f) ? slope_y : 0.0f;
+      x = x < 0.0f ? 0.0f : (x > size_x - 1.0f ? size_x - 1.0f : x);
+      y = y < 0.0f ? 0.0f : (y > size_y - 1.0f ? size_y - 1.0f : y);
+    }
+    static_assert(PADDING == 0 || PADDING == 1, "zeros or border");
+    x = sanitized(x, size_x);
+    y = sanitized(y, size_y);
+    const float8 x0 = floor8(x), y0 = floor8(y);
+    const float8 fx = x - x0, fy = y - y0;
+    const float8 last_x = size_x - 1.0f, last_y = size_y - 1.0f;  // float(width - 1), exactly
+    const int32x8 width8 = load8i(&width[i]), start8 = load8i(&start[i]);
+    for (int k = 0; k < 4; ++k) {
+      const int up = k / 2, right = k % 2;
+      const float8 xi = x0 + float(right), yi = y0 + float(up);
+      const int32x8 inside = (xi >= 0.0f) & (xi <= last_x) & (yi >= 0.0f) & (yi <= last_y);
+      const float8 wx = right ? fx : 1.0f - fx;
+      const float8 wy = up ? fy : 1.0f - fy;
+      const int32x8 flat = __builtin_convertvector(yi, int32x8) * width8 + __builtin_convertvector(xi, int32x8);
+      store8i(&index[tap(i, k)], start8 + (inside ? flat : 0));
+      store8(&weight[tap(i, k)], inside ? wx * wy : 0.0f);
+      if constexpr (GRADIENTS) {
+        store8(&dx[tap(i, k)], inside ? (right ? wy : -wy) : 0.0f);
+        store8(&dy[tap(i, k)], inside ? (up ? wx : -wx) : 0.0f);
+      }
+    }
+    if constexpr (GRADIENTS) {
+      store8(&chain_x[i], slope_x * load8(&scale_x[i]));
+      store8(&chain_y[i], slope_y * load8(&scale_y[i]));
+    }
+  }
+
+  // sanitize(): far outside for NaN, bounded for infinities
+  INLINE float8 sanitized(float8 x, float8 size) {
+    x = x != x ? -8.0f : x;
+    return x < -8.0f ? -8.0f : (x > size + 8.0f ? size + 8.0f : x);
+  }
+  // floor() of values within [-8, 2^23): truncated, one less where that rounded up. It gives +0 for
+  // -0, whose fraction then is -0 instead of +0: a zero whose sign reaches only sums that start at
+  // +0, and a select less per point.
+  INLINE float8 floor8(float8 x) {
+    const float8 truncated = __builtin_convertvector(__builtin_convertvector(x, int32x8), float8);
+    return truncated > x ? truncated - 1.0f : truncated;
   }
 
   int64_t location_x(int i) const { return location.x + i * location.stride; }
@@ -267,8 +340,13 @@ struct Gathered {
     }
   }
 
+  __attribute__((always_inline)) void locate_forward(const Problem& p, int64_t sample) {
+    locate_all<false>(p, sample, int(sample / (int64_t(p.queries) * p.heads)), int(sample % p.heads));
+  }
+
   // Locates the sample's taps and prefetches the rows of value and, in the backward, of the value
   // gradient (to be written).
+  template <bool GRADIENTS>
   __attribute__((always_inline)) void locate_all(const Problem& p, int64_t sample, int b, int head,
                                                  const float* grad_value = nullptr) {
     find_inputs(p, sample, b);
@@ -278,9 +356,9 @@ struct Gathered {
       attention[i] = p.weights[first_point + i];
     }
     if (p.padding == 1) {  // the padding mode fixed for the loop over the points
-      locate_points<1>(p.align_corners);
+      locate_points<1, GRADIENTS>(p.align_corners);
     } else {
-      locate_points<0>(p.align_corners);
+      locate_points<0, GRADIENTS>(p.align_corners);
     }
     const int64_t base = p.value_base(b, head);
     const int64_t row_stride = p.row_stride();
@@ -296,6 +374,17 @@ struct Gathered {
   }
 };
 
+// The forward's samples in order on a (B, L, H, C) value; on (B, H, L, C), head by head (task =
+// (b * heads + head) * queries + q), so that one head's rows stay in the cache. sample = (b *
+// queries + q) * heads + head.
+INLINE int64_t forward_sample(const Problem& p, int64_t task) {
+  if (!p.value_bnlc) {
+    return task;
+  }
+  const int64_t pair = task / p.queries, q = task % p.queries;
+  return ((pair / p.heads) * p.queries + q) * p.heads + pair % p.heads;
+}
+
 // CHANNELS > 0 fixes the channel count at compile time (the model's 32), so that the channel loops
 // unroll into whole vectors; 0 reads it from the problem.
 template <int CHANNELS>
@@ -303,16 +392,16 @@ INLINE void forward_rows(const Problem& p, float* __restrict__ output, int64_t b
   const int c_count = CHANNELS > 0 ? CHANNELS : p.channels;
   Gathered taps(p);
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t sample = task;  // (b * queries + q) * heads + head
-    const int b = int(sample / (int64_t(p.queries) * p.heads)), head = int(sample % p.heads);
-    taps.locate_all(p, sample, b, head);
+    const int64_t sample = forward_sample(p, task);
+    taps.locate_forward(p, sample);
     float* __restrict__ out = output + sample * c_count;
     auto sum = Row<(CHANNELS > 0 ? CHANNELS : 8)>::zero();  // used where CHANNELS > 0
     if constexpr (CHANNELS == 0) {
       std::fill(out, out + c_count, 0.0f);
     }
-    for (int t = 0; t < 4 * taps.n; ++t) {
-      const float w = taps.attention[t / 4] * taps.weight[t];
+    for (int u = 0; u < 4 * taps.n; ++u) {  // point by point, in the order of the sums before
+      const int t = taps.tap(u / 4, u % 4);
+      const float w = taps.attention[u / 4] * taps.weight[t];
       if (w == 0.0f) {
         continue;
       }
@@ -349,7 +438,7 @@ INLINE void backward_rows(const Problem& p, const float* __restrict__ grad_outpu
         taps.prefetch_sample(p, sample + PREFETCH_AHEAD * p.heads, b, c_count, grad_output, grad_locations,
                              grad_weights);
       }
-      taps.locate_all(p, sample, b, head, grad_value);
+      taps.template locate_all<true>(p, sample, b, head, grad_value);
       const float* __restrict__ g = grad_output + sample * c_count;
       Row<(CHANNELS > 0 ? CHANNELS : 8)> g_row;  // used where CHANNELS > 0
       if constexpr (CHANNELS > 0) {
@@ -362,12 +451,12 @@ INLINE void backward_rows(const Problem& p, const float* __restrict__ grad_outpu
         if constexpr (CHANNELS > 0) {
           const float* rows[4];
           for (int k = 0; k < 4; ++k) {
-            rows[k] = p.value + taps.row[4 * i + k];
+            rows[k] = p.value + taps.row[taps.tap(i, k)];
           }
           dots = g_row.dots_with(rows);
         }
         for (int k = 0; k < 4; ++k) {
-          const int t = 4 * i + k;
+          const int t = taps.tap(i, k);
           float* __restrict__ gv = grad_value + taps.row[t];
           const float w = attention * taps.weight[t];
           float dot_vg;
@@ -441,20 +530,24 @@ inline void backward(const Problem& p, int threads, const float* grad_output, fl
                      float* grad_locations, float* grad_weights) {
   const int64_t size = int64_t(p.batch) * p.length * p.heads * p.channels;
   if (!p.value_bnlc) {
-    std::unique_ptr<float[]> value(new float[size]), grad(new float[size]);
-    swap_axes(p.value, value.get(), p.batch, p.length, p.heads, p.channels, threads);
+    // The value's copy is kept in grad_value's buffer, which is free until the gradient, made in a
+    // buffer of its own, is copied over it: one fresh value-sized buffer instead of two.
+    swap_axes(p.value, grad_value, p.batch, p.length, p.heads, p.channels, threads);
+    std::unique_ptr<float[]> grad(new float[size]);
     Problem by_head = p;
-    by_head.value = value.get();
+    by_head.value = grad_value;
     by_head.value_bnlc = true;
     backward(by_head, threads, grad_output, grad.get(), grad_locations, grad_weights);
     swap_axes(grad.get(), grad_value, p.batch, p.heads, p.length, p.channels, threads);
     return;
   }
-  std::fill(grad_value, grad_value + size, 0.0f);  // the taps add into it
   static const bool wide = wide_supported();
   const auto rows = p.channels == 32 ? (wide ? backward_rows_wide<32> : backward_rows_plain<32>)
                                      : (wide ? backward_rows_wide<0> : backward_rows_plain<0>);
   parallel_rows(int64_t(p.batch) * p.heads, threads, [&](int, int64_t begin, int64_t end) {
+    // the taps add into the gradient rows of the thread's own pairs: one block, zeroed here
+    const int64_t block = int64_t(p.length) * p.channels;
+    std::fill(grad_value + begin * block, grad_value + end * block, 0.0f);
     rows(p, grad_output, grad_value, grad_locations, grad_weights, begin, end);
   });
 }
