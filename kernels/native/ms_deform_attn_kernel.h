@@ -3,8 +3,8 @@
 // inside MLX operations.
 //
 // The forward's threads split the (batch, query, head) samples in order: on a (B, L, H, C) value one
-// query's heads read neighbouring inputs; on (B, H, L, C) they go head by head. The backward's split the (batch, head) pairs and take a pair's queries in
-// order: each thread writes the value-gradient rows of its own heads only (no atomics, no private
+// query's heads read neighbouring inputs; on (B, H, L, C) they go head by head. The backward's split
+// the (batch, head) pairs and take a pair's queries in order: each thread writes the value-gradient rows of its own heads only (no atomics, no private
 // copies), and one head's rows stay in the cache while its queries scatter into them.
 
 #pragma once
@@ -229,19 +229,24 @@ struct Gathered {
       const Padded x = pad_coordinate(ux[i] * scale_x[i] - offset, width_f[i], PADDING, align_corners);
       const Padded y = pad_coordinate(uy[i] * scale_y[i] - offset, height_f[i], PADDING, align_corners);
       const Taps taps = bilinear_taps(x.x, y.x, width[i], height[i]);
-      chain_x[i] = x.dx * scale_x[i];
-      chain_y[i] = y.dx * scale_y[i];
       for (int k = 0; k < 4; ++k) {
         index[tap(i, k)] = start[i] + taps.index[k];
         weight[tap(i, k)] = taps.weight[k];
-        dx[tap(i, k)] = taps.dx[k];
-        dy[tap(i, k)] = taps.dy[k];
+        if constexpr (GRADIENTS) {
+          dx[tap(i, k)] = taps.dx[k];
+          dy[tap(i, k)] = taps.dy[k];
+        }
+      }
+      if constexpr (GRADIENTS) {
+        chain_x[i] = x.dx * scale_x[i];
+        chain_y[i] = y.dx * scale_y[i];
       }
     }
   }
 
   template <int PADDING, bool GRADIENTS>
   __attribute__((always_inline)) void locate_eight(int i, float offset) {
+    static_assert(PADDING == 0 || PADDING == 1, "zeros or border");
     const float8 size_x = load8(&width_f[i]), size_y = load8(&height_f[i]);
     float8 x = load8(&ux[i]) * load8(&scale_x[i]) - offset;
     float8 y = load8(&uy[i]) * load8(&scale_y[i]) - offset;
@@ -252,7 +257,6 @@ struct Gathered {
       x = x < 0.0f ? 0.0f : (x > size_x - 1.0f ? size_x - 1.0f : x);
       y = y < 0.0f ? 0.0f : (y > size_y - 1.0f ? size_y - 1.0f : y);
     }
-    static_assert(PADDING == 0 || PADDING == 1, "zeros or border");
     x = sanitized(x, size_x);
     y = sanitized(y, size_y);
     const float8 x0 = floor8(x), y0 = floor8(y);
@@ -399,18 +403,20 @@ INLINE void forward_rows(const Problem& p, float* __restrict__ output, int64_t b
     if constexpr (CHANNELS == 0) {
       std::fill(out, out + c_count, 0.0f);
     }
-    for (int u = 0; u < 4 * taps.n; ++u) {  // point by point, in the order of the sums before
-      const int t = taps.tap(u / 4, u % 4);
-      const float w = taps.attention[u / 4] * taps.weight[t];
-      if (w == 0.0f) {
-        continue;
-      }
-      const float* __restrict__ v = p.value + taps.row[t];
-      if constexpr (CHANNELS > 0) {
-        sum.add_scaled(w, v);
-      } else {
-        for (int c = 0; c < c_count; ++c) {
-          out[c] += w * v[c];
+    for (int i = 0; i < taps.n; ++i) {
+      for (int k = 0; k < 4; ++k) {
+        const int t = taps.tap(i, k);
+        const float w = taps.attention[i] * taps.weight[t];
+        if (w == 0.0f) {
+          continue;
+        }
+        const float* __restrict__ v = p.value + taps.row[t];
+        if constexpr (CHANNELS > 0) {
+          sum.add_scaled(w, v);
+        } else {
+          for (int c = 0; c < c_count; ++c) {
+            out[c] += w * v[c];
+          }
         }
       }
     }
