@@ -2,10 +2,11 @@
 // sample point is sampling.h's, shared with the Metal and CUDA kernels. ms_deform_attn.cpp runs it
 // inside MLX operations.
 //
-// The forward's threads split the (batch, query, head) samples in order: on a (B, L, H, C) value one
-// query's heads read neighbouring inputs; on (B, H, L, C) they go head by head. The backward's split
-// the (batch, head) pairs and take a pair's queries in order: each thread writes the value-gradient rows of its own heads only (no atomics, no private
-// copies), and one head's rows stay in the cache while its queries scatter into them.
+// Both go head by head on a (B, H, L, C) value (a (B, L, H, C) one is copied so first), so that one
+// head's rows stay in the cache and a tap's right-hand neighbour is the next row in memory. The
+// forward's threads split the (batch, head, query) samples in that order; the backward's split the
+// (batch, head) pairs and take a pair's queries in order: each thread writes the value-gradient rows
+// of its own heads only (no atomics, no private copies).
 
 #pragma once
 
@@ -378,13 +379,9 @@ struct Gathered {
   }
 };
 
-// The forward's samples in order on a (B, L, H, C) value; on (B, H, L, C), head by head (task =
-// (b * heads + head) * queries + q), so that one head's rows stay in the cache. sample = (b *
-// queries + q) * heads + head.
+// The forward's samples head by head: task = (b * heads + head) * queries + q; sample = (b * queries
+// + q) * heads + head.
 INLINE int64_t forward_sample(const Problem& p, int64_t task) {
-  if (!p.value_bnlc) {
-    return task;
-  }
   const int64_t pair = task / p.queries, q = task % p.queries;
   return ((pair / p.heads) * p.queries + q) * p.heads + pair % p.heads;
 }
@@ -506,15 +503,6 @@ void backward_rows_plain(const Problem& p, const float* grad_output, float* grad
   backward_rows<CHANNELS>(p, grad_output, grad_value, grad_locations, grad_weights, begin, end);
 }
 
-// value (B, L, H, C) or (B, H, L, C); locations (B, Q, H, levels, points, 2) or (B, 2, Q, H, levels,
-// points); weights (B, Q, H, levels, points); output (B, Q, H * C).
-inline void forward(const Problem& p, int threads, float* output) {
-  static const bool wide = wide_supported();
-  const auto rows = p.channels == 32 ? (wide ? forward_rows_wide<32> : forward_rows_plain<32>)
-                                     : (wide ? forward_rows_wide<0> : forward_rows_plain<0>);
-  parallel_rows(int64_t(p.batch) * p.queries * p.heads, threads, [&](int, int64_t begin, int64_t end) { rows(p, output, begin, end); });
-}
-
 // from (B, first, second, C) to (B, second, first, C): threads copy rows of C.
 inline void swap_axes(const float* from, float* to, int batch, int first, int second, int channels, int threads) {
   parallel_rows(int64_t(batch) * second, threads, [&](int, int64_t begin, int64_t end) {
@@ -526,6 +514,30 @@ inline void swap_axes(const float* from, float* to, int batch, int first, int se
       }
     }
   });
+}
+
+// value (B, L, H, C) or (B, H, L, C); locations (B, Q, H, levels, points, 2) or (B, 2, Q, H, levels,
+// points); weights (B, Q, H, levels, points); output (B, Q, H * C).
+//
+// A (B, L, H, C) value is copied to (B, H, L, C) first, where a tap's right-hand neighbour is the
+// next row: points spread over the map (bench/attention.py's uniform ones) took twice as long on the
+// value as it is (forward 0.19-0.24 s against 0.11-0.13 s, copy included); points near their query
+// (the encoder's) take about a tenth longer with the copy (0.095-0.116 against 0.082-0.106 s), their
+// forward + backward the same (bench/README.md).
+inline void forward(const Problem& p, int threads, float* output) {
+  if (!p.value_bnlc) {
+    std::unique_ptr<float[]> copy(new float[int64_t(p.batch) * p.length * p.heads * p.channels]);
+    swap_axes(p.value, copy.get(), p.batch, p.length, p.heads, p.channels, threads);
+    Problem by_head = p;
+    by_head.value = copy.get();
+    by_head.value_bnlc = true;
+    forward(by_head, threads, output);
+    return;
+  }
+  static const bool wide = wide_supported();
+  const auto rows = p.channels == 32 ? (wide ? forward_rows_wide<32> : forward_rows_plain<32>)
+                                     : (wide ? forward_rows_wide<0> : forward_rows_plain<0>);
+  parallel_rows(int64_t(p.batch) * p.queries * p.heads, threads, [&](int, int64_t begin, int64_t end) { rows(p, output, begin, end); });
 }
 
 // Every gradient is written in full. Threads split the (batch, head) pairs. A (B, L, H, C) value is
