@@ -1,5 +1,6 @@
 """The C++ extension of `kernels` (kernels/native/: MLX operations for the CPU attention kernel and
-Hungarian matching), built by the install with CMake against the MLX of the build environment.
+Hungarian matching, and on Linux the library that gives MLX OpenBLAS's products), built by the
+install with CMake against the MLX of the build environment.
 
 Optional: where it cannot be built (no C++ compiler or CMake), the install goes on and `kernels`
 uses its MLX-ops path and scipy (`kernels.available_backends()` tells). Everything else is in
@@ -17,9 +18,13 @@ from setuptools.errors import CompileError
 
 
 class CMakeExtension(Extension):
-    def __init__(self, name: str, source_dir: str):
+    """A module CMake builds from `source_dir`, and `companions`: plain shared libraries it builds beside
+    the module, which go where the module goes (an editable install copies only the module itself)."""
+
+    def __init__(self, name: str, source_dir: str, companions: tuple[str, ...] = ()):
         super().__init__(name, sources=[], optional=True)
         self.source_dir = str(Path(source_dir).resolve())
+        self.companions = companions
 
 
 class CMakeBuild(build_ext):
@@ -44,5 +49,15 @@ class CMakeBuild(build_ext):
         except (OSError, subprocess.CalledProcessError) as error:
             raise CompileError(f"{ext.name}: {error}") from error
 
+    def copy_extensions_to_source(self):
+        super().copy_extensions_to_source()  # here self.inplace is on: get_ext_fullpath is in the source tree
+        for ext in self.extensions:
+            built = Path(self.build_lib, self.get_ext_filename(ext.name)).parent
+            for name in ext.companions:
+                if (built / name).is_file():
+                    self.copy_file(str(built / name), str(Path(self.get_ext_fullpath(ext.name)).parent / name))
 
-setup(ext_modules=[CMakeExtension("kernels._native", "kernels/native")], cmdclass={"build_ext": CMakeBuild})
+
+# libopenblas_cblas.so: OpenBLAS's matrix products under the names MLX calls (Linux; runtime.py).
+native = CMakeExtension("kernels._native", "kernels/native", companions=("libopenblas_cblas.so",))
+setup(ext_modules=[native], cmdclass={"build_ext": CMakeBuild})

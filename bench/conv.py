@@ -4,7 +4,7 @@ against transformers' ResNet-50, random weights), forward only.
 
     python bench/conv.py [--repeats 5] [--output bench/results/conv_cpu.txt]
 
-Both sides use this machine's cores (MLX: MKL's GEMM under its im2col convolution, as train.py runs;
+Both sides use this machine's cores (MLX: the preloaded BLAS's GEMM under its im2col convolution, as train.py runs;
 PyTorch: oneDNN, as many threads); each side in its own process. The median of `--repeats` after a
 warm-up.
 """
@@ -87,11 +87,12 @@ def main(argv=None):
     if args.measure:
         print(json.dumps((measure_mlx if args.measure == "mlx" else measure_torch)(args.repeats)))
         return
-    from deformable_detr.runtime import runtime_environment
+    from deformable_detr.runtime import malloc_environment, runtime_environment
 
     sides = {}
     for side in ("mlx", "torch"):
-        env = runtime_environment() if side == "mlx" else {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env = runtime_environment() if side == "mlx" else malloc_environment(plain)  # the same malloc
         command = [sys.executable, __file__, "--measure", side, "--repeats", str(args.repeats)]
         sides[side] = measured(command, env, f"the {side} side")
     lines = [

@@ -4,7 +4,7 @@ alone and for forward + backward with activation checkpointing off, on for one p
 
     python bench/memory.py [--size 512x683] [--output bench/results/memory_cpu.txt]
 
-Batch 2 of `configs/r50.yaml` (stem and layer1 frozen, as trained), MKL preloaded. Peaks are above
+Batch 2 of `configs/r50.yaml` (stem and layer1 frozen, as trained), the BLAS preloaded as train.py runs. Peaks are above
 the weights (measured after they are evaluated); the optimizer's state is not included.
 """
 

@@ -6,10 +6,14 @@
 PyTorch side: Hugging Face's `DeformableDetrForObjectDetection` (the authors' architecture: ResNet-50,
 6 + 6 layers, 300 queries, 4 levels, 91 classes; its deformable attention core is PyTorch ops on
 the CPU, as the authors' `ms_deform_attn_core_pytorch`), random weights, `--threads` torch threads,
-stem and layer1 frozen for training as the authors do. Ours: `configs/r50.yaml`, MKL preloaded
-(as `train.py` and `eval.py` run), the attention on the fastest backend here. Each side runs in its
-own process, which reports its median time over `--repeats` after a warm-up and its peak resident
-memory (ru_maxrss, the whole process: Python, libraries, weights and activations).
+stem and layer1 frozen for training as the authors do. Ours: `configs/r50.yaml`, its BLAS preloaded
+(as `train.py` and `eval.py` run, deformable_detr/runtime.py), the attention on the fastest backend
+here. Each side runs in its own process, which reports its median time over `--repeats` after a
+warm-up and its peak resident memory (ru_maxrss, the whole process: Python, libraries, weights and
+activations). Both processes keep freed memory in glibc's heap as our commands do
+(`runtime.malloc_environment`): PyTorch gains as much from it (a training step at 512 x 683 in
+13.4 s instead of 19.0 s here); `--torch-malloc default` runs PyTorch on glibc's defaults instead,
+as a plain PyTorch script runs.
 
 Inference: batch 1 at 800 x 1066 (the authors' evaluation size), images/s. Training: batch 2 at each
 `--train-size`, forward, Hungarian matching, losses, backward and an AdamW step; ours with activation
@@ -47,7 +51,7 @@ def measure_ours(task, repeats, size, checkpointing):
 
     sys.path.insert(0, str(ROOT))
     import kernels
-    from deformable_detr import build_model, load_config
+    from deformable_detr import build_model, load_config, runtime
     from deformable_detr.engine import Trainer
 
     overrides = [f"train.activation_checkpointing={str(checkpointing).lower()}"]
@@ -73,7 +77,7 @@ def measure_ours(task, repeats, size, checkpointing):
         "seconds": seconds,
         "batch": batch,
         "mlx_peak_mib": mx.get_peak_memory() / 2**20,
-        "versions": f"mlx {mx.__version__}, attention backend {backend}",
+        "versions": f"mlx {mx.__version__}, attention backend {backend}, BLAS {runtime.blas_in_use()}",
     }
 
 
@@ -130,14 +134,16 @@ def default_checkpointing(without: dict) -> bool:
     return without["mlx_peak_mib"] * 2**20 > budget_bytes(load_config(ROOT / "configs" / "r50.yaml").train)
 
 
-def run_side(side, task, repeats, size, threads, checkpointing=False):
+def run_side(side, task, repeats, size, threads, checkpointing=False, torch_malloc="same"):
     """One side in its own process: its peak memory is its own."""
     sys.path.insert(0, str(ROOT))
-    from deformable_detr.runtime import runtime_environment
+    from deformable_detr import runtime
 
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", *runtime.MALLOC)}
     if side == "ours":
-        env = runtime_environment(env)  # as train.py runs
+        env = runtime.runtime_environment(env)  # as train.py runs
+    elif torch_malloc == "same":
+        env = runtime.malloc_environment(env)
     command = [sys.executable, __file__, "--measure", side, "--task", task, "--repeats", str(repeats)]
     command += ["--threads", str(threads), "--train-size", f"{size[0]}x{size[1]}"]
     command += ["--checkpointing"] if checkpointing else []
@@ -154,6 +160,12 @@ def main(argv=None):
         "--train-size", type=image_sizes, default="800x1066,512x683", help="HxW of the training images, comma-separated"
     )
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument(
+        "--torch-malloc",
+        choices=["same", "default"],
+        default="same",
+        help="PyTorch's process: glibc's malloc set as ours (same) or glibc's defaults",
+    )
     parser.add_argument("--measure", choices=["ours", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -174,14 +186,15 @@ def main(argv=None):
         f"machine: {platform.machine()}, {platform.system()}, {args.threads} cores used by each side, "
         f"python {platform.python_version()}",
         f"median of {args.repeats} after a warm-up; ratio = PyTorch time / ours (> 1: ours faster); "
-        "peak = peak RSS of each side's process (MLX: arrays only, mx.get_peak_memory)",
+        "peak = peak RSS of each side's process (MLX: arrays only, mx.get_peak_memory); PyTorch's malloc: "
+        + ("as ours (freed memory kept)" if args.torch_malloc == "same" else "glibc's defaults"),
         "",
         "| task | PyTorch (s) | ours (s) | ratio | PyTorch peak MiB | ours peak MiB | ours MLX peak MiB |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     groups, versions = [], set()
     for task, size in jobs:
-        theirs = run_side("torch", task, args.repeats, size, args.threads)
+        theirs = run_side("torch", task, args.repeats, size, args.threads, torch_malloc=args.torch_malloc)
         versions.add(f"PyTorch: {theirs['versions']}")
         name = f"{task}, batch {theirs['batch']}, {size[0]}x{size[1]}"
         bars_of_task = [("PyTorch", theirs["seconds"] / theirs["batch"])]

@@ -7,7 +7,7 @@ peak memory, each precision in its own process.
 `--size` with three boxes each, random weights (seeded: the same for both, and the same dropout
 masks); the median of `--repeats` steps after a warm-up
 step. Memory: MLX's peak (`mx.get_peak_memory`, arrays only) and the process's peak RSS. The
-measured processes start as `train.py` does (MKL preloaded, `runtime.runtime_environment`).
+measured processes start as `train.py` does (the BLAS preloaded, `runtime.runtime_environment`).
 """
 
 import argparse
@@ -68,6 +68,7 @@ def main(argv=None):
         print(json.dumps(measure(args.measure, size, args.repeats)))
         return
 
+    from deformable_detr import runtime
     from deformable_detr.runtime import runtime_environment
 
     results = {}
@@ -79,7 +80,7 @@ def main(argv=None):
     base = results["float32"]
     lines = [
         f"R50 training step (configs/r50.yaml, activation checkpointing on), micro-batch 2 x {size[0]} x {size[1]}, "
-        f"median of {args.repeats} after a warm-up; mlx {base['mlx']}, CPU with MKL",
+        f"median of {args.repeats} after a warm-up; mlx {base['mlx']}, CPU with {runtime.blas_choice()}",
         "",
         "| precision | step (s) | time vs float32 | MLX peak MiB | peak RSS MiB | first-step loss |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",

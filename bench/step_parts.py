@@ -117,6 +117,7 @@ def main(argv=None):
         print(json.dumps(timed_parts(args.measure == "on", size, args.repeats)))
         return
 
+    from deformable_detr import runtime
     from deformable_detr.runtime import runtime_environment
 
     results = {}
@@ -127,7 +128,7 @@ def main(argv=None):
         print(setting, results[setting], flush=True)
     lines = [
         f"R50 training step (configs/r50.yaml), micro-batch 2 x {size[0]} x {size[1]}, median of {args.repeats} "
-        "after a warm-up, seconds; CPU with MKL",
+        f"after a warm-up, seconds; CPU with {runtime.blas_choice()}",
         "",
         "| part | checkpointing off | checkpointing on |",
         "| --- | ---: | ---: |",

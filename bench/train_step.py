@@ -1,11 +1,14 @@
-"""Time one training step of a config's model, on MLX's bundled BLAS and on MKL, in one run.
+"""Time one training step of a config's model on each BLAS MLX can run on here, in one run.
 
-    python bench/train_step.py [--config configs/shapes.yaml] [--steps 5] [--size 128] [--output FILE]
+    python bench/train_step.py [--config configs/shapes.yaml] [--steps 5] [--size 128]
+                               [--blas bundled,openblas,mkl] [--output FILE]
 
-Each side runs in its own process (a BLAS can only be chosen when a process starts): one with
-DEFORMABLE_DETR_MKL=0 and no LD_PRELOAD, one with MKL's runtime preloaded. Synthetic images
-(a micro-batch of the config's micro_batch_size, 2 where it is auto; size x size), two boxes
-each; median of --steps steps after one warm-up."""
+Each side runs in its own process (a BLAS can only be chosen when a process starts), set up as the
+commands set up theirs (`runtime.runtime_environment`, glibc's malloc keeping freed memory) with
+DEFORMABLE_DETR_BLAS set to the side: MLX's bundled reference BLAS, OpenBLAS (scipy-openblas32) or
+MKL; a side whose BLAS is not installed is left out. Synthetic images (a micro-batch of the config's
+micro_batch_size, 2 where it is auto; size x size), two boxes each; median of --steps steps after one
+warm-up."""
 
 import argparse
 import json
@@ -50,12 +53,26 @@ def measure(config: str, steps: int, size: int) -> dict:
     return {"median_s": statistics.median(times), "batch": batch}
 
 
+def blas_sides(text: str) -> list[str]:
+    sides = text.split(",")
+    for side in sides:
+        if side not in ("bundled", "openblas", "mkl"):
+            raise argparse.ArgumentTypeError(f"{side!r}: expected bundled, openblas or mkl")
+    return sides
+
+
 @entry_point(runtime=False)
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/shapes.yaml")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--size", type=int, default=128)
+    parser.add_argument(
+        "--blas",
+        type=blas_sides,
+        default="bundled,openblas,mkl",
+        help="the sides, comma-separated, of bundled, openblas, mkl",
+    )
     parser.add_argument("--output", type=Path)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -65,7 +82,7 @@ def main(argv=None):
         return
 
     sys.path.insert(0, str(ROOT))
-    from deformable_detr.runtime import mkl_runtime
+    from deformable_detr import runtime
 
     command = [
         sys.executable,
@@ -78,18 +95,22 @@ def main(argv=None):
         "--size",
         str(args.size),
     ]
+    names = {"bundled": "MLX's bundled BLAS", "openblas": "OpenBLAS", "mkl": "MKL"}
     base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    sides = {"MLX's bundled BLAS": dict(base_env, DEFORMABLE_DETR_MKL="0")}
-    if mkl_runtime() is not None:
-        sides["MKL (preloaded)"] = dict(base_env, LD_PRELOAD=str(mkl_runtime()))
     results = {}
-    for name, env in sides.items():
+    for side in args.blas:
+        env = runtime.runtime_environment(dict(base_env, DEFORMABLE_DETR_BLAS=side))
+        if side != "bundled" and not runtime.blas_libraries(env):
+            print(f"{names[side]}: not installed here, left out", file=sys.stderr)
+            continue
         out = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    baseline = results["MLX's bundled BLAS"]["median_s"]
+        results[names[side]] = json.loads(out.stdout.strip().splitlines()[-1])
+    first = next(iter(results.values()))
+    baseline = first["median_s"]
     lines = [
-        f"training step of {args.config}: batch {results[name]['batch']} x {args.size} x {args.size}, "
-        f"median of {args.steps} steps, {os.cpu_count()} CPUs",
+        f"training step of {args.config}: batch {first['batch']} x {args.size} x {args.size}, "
+        f"median of {args.steps} steps, {os.cpu_count()} CPUs ({runtime.cpu_vendor() or 'vendor unknown'}); "
+        f"speed-up against the first row; auto here: {runtime.blas_choice({})}",
         "",
         f"| {'BLAS':<20} | {'step (s)':>8} | {'speed-up':>8} |",
         f"|{'-' * 22}|{'-' * 10}|{'-' * 10}|",

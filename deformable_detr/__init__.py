@@ -1,7 +1,7 @@
 """Deformable DETR in MLX: a port of the authors' PyTorch model.
 
 The names below are imported when first used, so that `deformable_detr.runtime` can be imported
-(and set up MKL's BLAS for MLX) before MLX itself is."""
+(and set up the BLAS for MLX) before MLX itself is."""
 
 import importlib
 

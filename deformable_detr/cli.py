@@ -5,7 +5,7 @@
         args = ArgumentParser(...).parse_args(argv)
 
 Run as a program (`python train.py`, `python -m deformable_detr.predict`), the command first sets up
-the process (`runtime.setup`: MKL, malloc; `@entry_point(runtime=False)` for the benchmarks, which
+the process (`runtime.setup`: BLAS, malloc; `@entry_point(runtime=False)` for the benchmarks, which
 set up the processes they measure themselves); imported (the tests call `main(argv)`), it does not.
 Whatever stops it becomes one line on stderr, `error: ...`, and an exit status:
 
@@ -53,11 +53,11 @@ def entry_point(main=None, *, runtime: bool = True):
 
     @functools.wraps(main)
     def command(argv=None):
-        if runtime and main.__module__ == "__main__":
-            from . import runtime as process
-
-            process.setup()
         try:
+            if runtime and main.__module__ == "__main__":
+                from . import runtime as process
+
+                process.setup()
             return main(argv)
         except (SystemExit, KeyboardInterrupt):
             raise

@@ -162,8 +162,8 @@ def test_the_best_checkpoint_is_the_evaluation_of_highest_ap(trained, tmp_path):
 
 
 @pytest.mark.parametrize("command", [["-m", "deformable_detr.predict"], ["eval.py"], ["train.py"]])
-def test_scripts_start_with_mkl_preloaded(command):
-    """The scripts re-execute themselves once with MKL preloaded (where it is installed); the
+def test_scripts_start_with_the_blas_preloaded(command):
+    """The scripts re-execute themselves once with the BLAS preloaded (where it is installed); the
     re-executed process must be the same command, `-m module` included."""
     import subprocess
     import sys
