@@ -6,11 +6,11 @@ with `load_blas()` before anything imports MLX.)
 
 BLAS: MLX's matrix products and convolutions go through `cblas_sgemm`. On Linux x86-64 the project
 installs two from PyPI, OpenBLAS (`scipy-openblas32`) and MKL, and DEFORMABLE_DETR_BLAS chooses:
-- `auto` (the default): MKL on Intel CPUs, OpenBLAS on the others. On AMD CPUs MKL runs its generic
-  kernels: on this project's AMD EPYC (AVX-512) the model's products took MKL 1.3-1.6x OpenBLAS's
-  time, an R50 inference 1.35x (bench/train_step.py, bench/README.md);
-- `openblas` or `mkl`: that one; `bundled`: MLX's own.
-Where the chosen one is not installed, MLX keeps its own. scipy-openblas32 names its symbols
+- `auto` (the default): MKL on Intel CPUs, OpenBLAS on the others (and the other one where the
+  first is not installed). On AMD CPUs MKL runs its generic kernels: on this project's AMD EPYC
+  (AVX-512) the model's products took MKL 1.3-1.6x OpenBLAS's time, an R50 inference 1.35x
+  (bench/train_step.py, bench/README.md);
+- `openblas` or `mkl`: that one, where installed; `bundled`: MLX's own. scipy-openblas32 names its symbols
 `scipy_cblas_*`: kernels' `libopenblas_cblas.so` (built with the C++ extension) gives MLX them under
 the names it calls, preloaded after OpenBLAS.
 
@@ -61,22 +61,31 @@ def cpu_vendor() -> str:
     return ""
 
 
-def blas_choice(environ=None) -> str:
-    """DEFORMABLE_DETR_BLAS of `environ` (default: this process's), resolved: openblas, mkl or bundled."""
+def blas_preference(environ=None) -> list[str]:
+    """DEFORMABLE_DETR_BLAS of `environ` (default: this process's) as the BLAS to try, in order."""
     choice = (os.environ if environ is None else environ).get("DEFORMABLE_DETR_BLAS", "auto")
     if choice not in CHOICES:
         raise ValueError(f"DEFORMABLE_DETR_BLAS={choice!r}: expected one of {', '.join(CHOICES)}")
     if choice == "auto":
-        choice = "mkl" if cpu_vendor() == "GenuineIntel" else "openblas"
-    return choice
+        return ["mkl", "openblas"] if cpu_vendor() == "GenuineIntel" else ["openblas", "mkl"]
+    return [] if choice == "bundled" else [choice]
+
+
+def _installed(name: str) -> list[Path]:
+    return {"openblas": openblas_libraries, "mkl": mkl_libraries}[name]()
+
+
+def blas_choice(environ=None) -> str:
+    """The BLAS the set-up gives MLX: the first of `blas_preference` installed here, or "bundled"."""
+    if sys.platform != "linux":
+        return "bundled"
+    return next((name for name in blas_preference(environ) if _installed(name)), "bundled")
 
 
 def blas_libraries(environ=None) -> list[Path]:
-    """What to preload, in order, for the chosen BLAS: [] for MLX's own, or where it is not installed."""
-    if sys.platform != "linux":
-        return []
+    """What to preload, in order, for `blas_choice`: [] for MLX's own."""
     choice = blas_choice(environ)
-    return {"openblas": openblas_libraries, "mkl": mkl_libraries}.get(choice, list)()
+    return [] if choice == "bundled" else _installed(choice)
 
 
 def malloc_environment(environ=None) -> dict:

@@ -51,12 +51,25 @@ def test_a_command_run_as_a_program_sets_up_its_process_once(choice):
     assert done.stdout.splitlines() == [f"{want}|{16 * 2**30}"]  # main ran once, set up
 
 
-@linux
 def test_auto_is_mkl_on_intel_and_openblas_elsewhere(monkeypatch):
-    for vendor, want in [("GenuineIntel", "mkl"), ("AuthenticAMD", "openblas"), ("", "openblas")]:
+    for vendor, want in [
+        ("GenuineIntel", ["mkl", "openblas"]),
+        ("AuthenticAMD", ["openblas", "mkl"]),
+        ("", ["openblas", "mkl"]),
+    ]:
         monkeypatch.setattr(runtime, "cpu_vendor", lambda vendor=vendor: vendor)
-        assert runtime.blas_choice({}) == want
-        assert runtime.blas_choice({"DEFORMABLE_DETR_BLAS": "bundled"}) == "bundled"
+        assert runtime.blas_preference({}) == want
+        assert runtime.blas_preference({"DEFORMABLE_DETR_BLAS": "auto"}) == want
+        assert runtime.blas_preference({"DEFORMABLE_DETR_BLAS": "mkl"}) == ["mkl"]
+        assert runtime.blas_preference({"DEFORMABLE_DETR_BLAS": "bundled"}) == []
+
+
+@linux
+def test_auto_takes_the_other_blas_where_the_first_is_missing(monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(runtime, "openblas_libraries", list)
+    assert runtime.blas_choice({}) == ("mkl" if runtime.mkl_libraries() else "bundled")
+    assert runtime.blas_choice({"DEFORMABLE_DETR_BLAS": "openblas"}) == "bundled"  # asked for, not here
 
 
 @linux
