@@ -27,6 +27,11 @@ import sys
 from pathlib import Path
 
 CHOICES = ("auto", "openblas", "mkl", "bundled")
+# Set beside each BLAS. OpenBLAS's idle threads spin for 2**28 cycles after each product, on the cores
+# MLX's one-thread operations and the attention kernel's threads need: 2**4 made an R50 inference
+# 0.3 s faster here (2.98 / 3.49 s against 3.32 / 3.81 s, alternating) and a 512 x 683 training step
+# 0.5-1.5 s (9.02 / 9.06 against 9.51 / 10.52 s).
+BLAS_SETTINGS = {"openblas": {"OPENBLAS_THREAD_TIMEOUT": "4"}}
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(16 * 2**30), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30)}
 
 
@@ -72,7 +77,8 @@ def blas_preference(environ=None) -> list[str]:
 
 
 def _installed(name: str) -> list[Path]:
-    return {"openblas": openblas_libraries, "mkl": mkl_libraries}[name]()
+    """What to preload for `name`: [] for MLX's own, or where it is not installed."""
+    return {"openblas": openblas_libraries, "mkl": mkl_libraries}.get(name, list)()
 
 
 def blas_choice(environ=None) -> str:
@@ -84,8 +90,7 @@ def blas_choice(environ=None) -> str:
 
 def blas_libraries(environ=None) -> list[Path]:
     """What to preload, in order, for `blas_choice`: [] for MLX's own."""
-    choice = blas_choice(environ)
-    return [] if choice == "bundled" else _installed(choice)
+    return _installed(blas_choice(environ))
 
 
 def malloc_environment(environ=None) -> dict:
@@ -96,23 +101,16 @@ def malloc_environment(environ=None) -> dict:
     return env
 
 
-def blas_settings(environ=None) -> dict:
-    """Environment settings for the chosen BLAS. OpenBLAS's idle threads spin for 2**28 cycles after
-    each product, on the cores MLX's one-thread operations and the attention kernel's threads need:
-    2**4 made an R50 inference 0.3 s faster here (2.98 / 3.49 s against 3.32 / 3.81 s, alternating)
-    and a 512 x 683 training step 0.5-1.5 s (9.02 / 9.06 against 9.51 / 10.52 s)."""
-    return {"OPENBLAS_THREAD_TIMEOUT": "4"} if blas_choice(environ) == "openblas" else {}
-
-
 def runtime_environment(environ=None) -> dict:
     """`environ` (default: this process's) with the BLAS preloaded and set and the malloc thresholds
     set, as the entry points run (the benchmarks start their measured processes with it)."""
     env = malloc_environment(environ)
+    choice = blas_choice(env)
     preload = [entry for entry in env.get("LD_PRELOAD", "").split(":") if entry]
-    missing = [str(library) for library in blas_libraries(env) if str(library) not in preload]
+    missing = [str(library) for library in _installed(choice) if str(library) not in preload]
     if missing:
         env["LD_PRELOAD"] = ":".join(missing + preload)
-    for name, value in blas_settings(env).items():
+    for name, value in BLAS_SETTINGS.get(choice, {}).items():
         env.setdefault(name, value)
     return env
 
@@ -134,9 +132,10 @@ def load_blas() -> list[Path]:
     matmul: about 0.1 s instead of 2.8 s here). -> what was loaded. Only before `mlx.core` is imported."""
     if "mlx.core" in sys.modules:
         raise RuntimeError("load_blas() must come before the first import of mlx.core")
-    for name, value in blas_settings().items():
+    choice = blas_choice()
+    for name, value in BLAS_SETTINGS.get(choice, {}).items():
         os.environ.setdefault(name, value)  # read when the library loads
-    libraries = blas_libraries()
+    libraries = _installed(choice)
     for library in libraries:
         ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL)
     return libraries
