@@ -10,9 +10,9 @@ installs two from PyPI, OpenBLAS (`scipy-openblas32`) and MKL, and DEFORMABLE_DE
   first is not installed). On AMD CPUs MKL runs its generic kernels: on this project's AMD EPYC
   (AVX-512) the model's products took MKL 1.3-1.6x OpenBLAS's time, an R50 inference 1.35x
   (bench/train_step.py, bench/README.md);
-- `openblas` or `mkl`: that one, where installed; `bundled`: MLX's own. scipy-openblas32 names its symbols
-`scipy_cblas_*`: kernels' `libopenblas_cblas.so` (built with the C++ extension) gives MLX them under
-the names it calls, preloaded after OpenBLAS.
+- `openblas` or `mkl`: that one, where installed; `bundled`: MLX's own.
+scipy-openblas32 names its symbols `scipy_cblas_*`: kernels' `libopenblas_cblas.so` (built with the
+C++ extension) gives MLX them under the names it calls, preloaded after OpenBLAS.
 
 malloc: MLX's CPU back-end allocates a fresh buffer for every op's output, and glibc maps each large
 one anew and returns it on free, so every activation is page-faulted in again (23.5 M page faults in
@@ -142,11 +142,13 @@ def load_blas() -> list[Path]:
 
 
 def blas_in_use() -> str:
-    """The BLAS this process's MLX calls, from what it has loaded: OpenBLAS, MKL or bundled."""
+    """The BLAS this process's MLX calls, from the libraries it has loaded: openblas, mkl or bundled."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "bundled"
-    if "libopenblas_cblas.so" in maps:
-        return "OpenBLAS"
-    return "MKL" if "libmkl_rt" in maps else "bundled"
+    for name in ("openblas", "mkl"):
+        libraries = _installed(name)
+        if libraries and all(str(library.resolve()) in maps for library in libraries):
+            return name
+    return "bundled"

@@ -101,6 +101,7 @@ def test_the_tests_run_on_the_chosen_blas():
         pytest.skip(f"{runtime.blas_choice()} is not installed here: the tests run on MLX's bundled BLAS")
     maps = Path("/proc/self/maps").read_text()
     assert all(str(library.resolve()) in maps for library in libraries)
+    assert runtime.blas_in_use() == runtime.blas_choice()
     with pytest.raises(RuntimeError, match="before the first import of mlx.core"):
         runtime.load_blas()
 
