@@ -43,84 +43,51 @@ class FrozenBatchNorm2d(nn.Module):
 
 
 class Conv2d(nn.Conv2d):
-    """`nn.Conv2d` with three forms of its own on the CPU, same parameters; outputs MLX's bit for bit
-    but the dilated form's (summed in another order), gradients to float32 rounding:
-    - 1 x 1: a matrix product. MLX's CPU convolution copies its whole input twice on one thread
-      (padding, then im2col) before the same GEMM; the product computes the identical output in
-      about 60% of the time, and its gradients are matrix products too (bench/conv.py).
-    - strided: the input gradient from a stride-1 convolution. MLX's CPU gradient of a strided
-      convolution w.r.t. its input (a transposed, input-dilated convolution) runs about 50x slower
-      than the convolution itself, and it was most of an R50 training step.
-    - dilated (DC5's layer4): products of `kernels.patches`, forward and gradients. MLX's CPU
-      convolution at dilation > 1 runs its generic loop, about 70x slower (kernels/patches.py)."""
+    """`nn.Conv2d` computed as matrix products on the CPU, same parameters: 1 x 1 as a product of the
+    (strided) input, the others as `kernels.patches` (im2col on every core) times the weight. MLX's CPU
+    convolution builds the same patches in general copies on one thread before the same GEMM, takes
+    its generic loop at dilation > 1 (about 70x slower, kernels/patches.py), and its gradient w.r.t. a
+    strided convolution's input runs about 50x slower than the convolution. Outputs are MLX's bit for
+    bit at dilation 1, gradients to float32 rounding (bench/conv.py)."""
 
     def __call__(self, x):
         (stride, stride_w), (padding, padding_w) = self.stride, self.padding
         dilation = self.dilation if isinstance(self.dilation, int) else self.dilation[0]
-        pointwise = self.weight.shape[1:3] == (1, 1) and padding == 0 and self.groups == 1
-        if mx.default_device().type != mx.cpu or (stride, padding) != (stride_w, padding_w):
+        if mx.default_device().type != mx.cpu or (stride, padding) != (stride_w, padding_w) or self.groups != 1:
             return super().__call__(x)
-        if pointwise:
+        if self.weight.shape[1:3] == (1, 1) and padding == 0:
             y = x[:, ::stride, ::stride] @ self.weight.reshape(self.weight.shape[0], -1).T
-        elif stride > 1:
-            y = _strided_conv(stride, padding, dilation)(x, self.weight)
-        elif dilation > 1 and padding <= dilation * (self.weight.shape[1] - 1):
-            y = _dilated_conv(padding, dilation)(x, self.weight)
         else:
-            return super().__call__(x)
+            y = _patches_conv(stride, padding, dilation)(x, self.weight)
         return y + self.bias if "bias" in self else y
 
 
 @cache
-def _strided_conv(stride: int, padding: int, dilation: int):
-    def forward(x, weight):
-        return mx.conv2d(x, weight, stride=stride, padding=padding, dilation=dilation)
-
-    def dense(x, weight):
-        return mx.conv2d(x, weight, stride=1, padding=padding, dilation=dilation)
-
-    strided = mx.custom_function(forward)
-
-    @strided.vjp
-    def strided_vjp(primals, cotangent, output):
-        x, weight = primals
-        _, (grad_weight,) = mx.vjp(lambda w: forward(x, w), [weight], [cotangent])
-        # the output gradient on the stride-1 grid: zeros between the strided samples
-        n, h, w, c = cotangent.shape
-        spread = mx.pad(
-            cotangent[:, :, None, :, None, :], [(0, 0), (0, 0), (0, stride - 1), (0, 0), (0, stride - 1), (0, 0)]
-        )
-        kernel_h, kernel_w = weight.shape[1:3]
-        full_h = x.shape[1] + 2 * padding - dilation * (kernel_h - 1)
-        full_w = x.shape[2] + 2 * padding - dilation * (kernel_w - 1)
-        spread = spread.reshape(n, h * stride, w * stride, c)[:, :full_h, :full_w]
-        _, (grad_x,) = mx.vjp(lambda inputs: dense(inputs, weight), [x], [spread])
-        return grad_x, grad_weight
-
-    return strided
-
-
-@cache
-def _dilated_conv(padding: int, dilation: int):
-    """Stride 1: x's patches times the weight; the weight's gradient the cotangent times x's patches,
-    the input's the cotangent's patches times the flipped weight (a stride-1 convolution's)."""
+def _patches_conv(stride: int, padding: int, dilation: int):
+    """x's patches times the weight. The backward makes the patches again rather than keep them (k * k
+    times the input): the weight's gradient is the cotangent times them, the input's the transpose of
+    patches (col2im) of the cotangent times the weight."""
 
     def forward(x, weight):
-        return kernels.patches(x, weight.shape[1], 1, padding, dilation) @ weight.reshape(weight.shape[0], -1).T
+        return kernels.patches(x, weight.shape[1], stride, padding, dilation) @ weight.reshape(weight.shape[0], -1).T
 
-    dilated = mx.custom_function(forward)
+    convolution = mx.custom_function(forward)
 
-    @dilated.vjp
-    def dilated_vjp(primals, cotangent, output):
+    @convolution.vjp
+    def convolution_vjp(primals, cotangent, output):
         x, weight = primals
-        out_channels, k, _, in_channels = weight.shape
-        columns = kernels.patches(x, k, 1, padding, dilation).reshape(-1, k * k * in_channels)
-        grad_weight = (cotangent.reshape(-1, out_channels).T @ columns).reshape(weight.shape)
-        flipped = weight[:, ::-1, ::-1, :].transpose(3, 1, 2, 0).reshape(in_channels, -1)
-        grad_x = kernels.patches(cotangent, k, 1, dilation * (k - 1) - padding, dilation) @ flipped.T
-        return grad_x, grad_weight
+        out_channels, k = weight.shape[:2]
+        matrix = weight.reshape(out_channels, -1)
 
-    return dilated
+        def extract(inputs):
+            return kernels.patches(inputs, k, stride, padding, dilation)
+
+        columns = extract(x)
+        grad_weight = cotangent.reshape(-1, out_channels).T @ columns.reshape(-1, columns.shape[-1])
+        _, (grad_x,) = mx.vjp(extract, [x], [cotangent @ matrix])  # col2im, not the patches again
+        return grad_x, grad_weight.reshape(weight.shape)
+
+    return convolution
 
 
 def conv(in_channels, out_channels, kernel_size, stride=1, dilation=1):

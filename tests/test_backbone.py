@@ -1,7 +1,7 @@
-"""The backbone's convolutions of their own on the CPU, against `mx.conv2d` with gradients: 1 x 1
-as a matrix product (MLX's copies its input twice first); the strided form, whose input gradient
-comes from a stride-1 convolution of the spread output gradient (MLX's own is ~50x slower there);
-the dilated one from patches (MLX's takes its generic loop)."""
+"""The backbone's convolutions on the CPU, matrix products, against `mx.conv2d` with gradients: 1 x 1
+as a product of the input (MLX's copies it twice first); the others as patches times the weight,
+whose gradients are products too (the input's through col2im): plain, strided (MLX's input gradient
+is ~50x slower there), dilated (MLX's takes its generic loop), the stem's 7 x 7."""
 
 import mlx.core as mx
 import numpy as np
@@ -20,6 +20,9 @@ from deformable_detr.backbone import Conv2d
         (1, 3, 1, (10, 8), False),
         (3, 1, 2, (9, 12), False),
         (3, 1, 3, (11, 8), True),
+        (3, 1, 1, (9, 12), False),
+        (3, 1, 1, (8, 7), True),
+        (7, 2, 1, (15, 13), False),
     ],
 )
 def test_conv_equals_mlx_conv_with_gradients(kernel, stride, dilation, size, bias, rng):
@@ -41,7 +44,7 @@ def test_conv_equals_mlx_conv_with_gradients(kernel, stride, dilation, size, bia
     weight = conv.weight
     for f in (reference, ours):
         assert f(x, weight).shape == cotangent.shape
-    if kernel == 1:  # the same GEMM as MLX's convolution, on the same rows
+    if dilation == 1:  # the same GEMM as MLX's convolution, on the same rows
         assert mx.array_equal(ours(x, weight), reference(x, weight)).item()
     np.testing.assert_allclose(np.array(ours(x, weight)), np.array(reference(x, weight)), rtol=1e-6, atol=1e-6)
     got = mx.grad(lambda a, w: (ours(a, w) * cotangent).sum(), argnums=(0, 1))(x, weight)

@@ -1,6 +1,6 @@
 """`kernels.patches` (im2col): the C++ operation against the MLX-ops path bit for bit, its product with
 a weight against `mx.conv2d` (bit for bit undilated: the same matrix and GEMM as MLX's convolution),
-its gradient, threads, bad input."""
+its gradient (col2im) against float64, threads, bad input."""
 
 import sys
 
@@ -30,14 +30,30 @@ def test_patches_are_the_mlx_ops_patches_and_give_mlx_convolution(kernel, stride
     np.testing.assert_allclose(np.array(conv), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+def col2im(cotangent, shape, k, stride, padding, dilation):
+    """The gradient of patches, in float64: each column entry added back to the pixel it was copied from."""
+    n, h, w, c = shape
+    grad = np.zeros((n, h + 2 * padding, w + 2 * padding, c))
+    columns = cotangent.astype(np.float64).reshape(*cotangent.shape[:3], k, k, c)
+    for oy in range(columns.shape[1]):
+        for ox in range(columns.shape[2]):
+            for ky in range(k):
+                for kx in range(k):
+                    grad[:, oy * stride + ky * dilation, ox * stride + kx * dilation] += columns[:, oy, ox, ky, kx]
+    return grad[:, padding : padding + h, padding : padding + w]
+
+
 @needs_native
-def test_patches_gradient_is_the_mlx_ops_gradient(rng):
-    x = mx.array(rng.standard_normal((2, 7, 6, 3)).astype(np.float32))
-    cotangent = mx.array(rng.standard_normal(kernels.patches(x, 3, 2, 1, 1).shape).astype(np.float32))
-    got = mx.vjp(lambda a: kernels.patches(a, 3, 2, 1, 1), [x], [cotangent])[1][0]
-    want = mx.vjp(lambda a: _by_slices(a, 3, 2, 1, 1), [x], [cotangent])[1][0]
-    assert mx.array_equal(got, want).item()
-    assert np.abs(np.array(got)).max() > 0
+@pytest.mark.parametrize("kernel,stride,padding,dilation", GEOMETRIES)
+def test_patches_gradient_is_col2im(kernel, stride, padding, dilation, rng):
+    x = mx.array(rng.standard_normal((2, 9, 12, 5)).astype(np.float32))
+    cotangent = rng.standard_normal(kernels.patches(x, kernel, stride, padding, dilation).shape).astype(np.float32)
+    got = mx.vjp(lambda a: kernels.patches(a, kernel, stride, padding, dilation), [x], [mx.array(cotangent)])[1][0]
+    want = col2im(cotangent, x.shape, kernel, stride, padding, dilation)
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-5)
+    ops = mx.vjp(lambda a: _by_slices(a, kernel, stride, padding, dilation), [x], [mx.array(cotangent)])[1][0]
+    np.testing.assert_allclose(np.array(ops), want, rtol=1e-6, atol=1e-5)
 
 
 @needs_native
@@ -47,8 +63,10 @@ def test_patches_threads_split_rows_not_results(rng, monkeypatch):
     for count in (1, 3):
         monkeypatch.setattr(sys.modules["kernels.patches"], "threads", lambda count=count: count)
         kernels.patches.__globals__["_native"].cache_clear()
-        results.append(np.array(kernels.patches(x, 3, 1, 2, 2)))
-    np.testing.assert_array_equal(results[0], results[1])
+        columns = kernels.patches(x, 3, 2, 2, 2)
+        results.append([np.array(columns), np.array(mx.vjp(lambda a: kernels.patches(a, 3, 2, 2, 2), [x], [columns])[1][0])])
+    for one, three in zip(*results, strict=True):
+        np.testing.assert_array_equal(one, three)
 
 
 def test_patches_refuse_bad_input():

@@ -14,7 +14,7 @@ using namespace nb::literals;
 NB_MODULE(_native, m) {
   m.doc() =
       "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm, "
-      "patches";
+      "patches and unpatches";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",
@@ -32,4 +32,6 @@ NB_MODULE(_native, m) {
   m.def("layer_norm", &kernels::layer_norm, "x"_a, "weight"_a, "bias"_a, "eps"_a, "threads"_a);
   m.def("patches", &kernels::patches, "x"_a, "kernel_h"_a, "kernel_w"_a, "stride"_a, "padding"_a, "dilation"_a,
         "threads"_a);
+  m.def("unpatches", &kernels::unpatches, "columns"_a, "height"_a, "width"_a, "kernel_h"_a, "kernel_w"_a, "stride"_a,
+        "padding"_a, "dilation"_a, "threads"_a);
 }

@@ -39,7 +39,13 @@ array layer_norm(const array& x, const array& weight, const array& bias, float e
 
 // x float32 (N, H, W, C) -> (N, Ho, Wo, kernel_h * kernel_w * C): each output pixel's taps (ky, kx,
 // c), zeros outside the input; its product with a (O, kernel_h, kernel_w, C) weight reshaped to
-// (O, -1) is the convolution. Not differentiable (kernels.patches takes its gradient from MLX ops).
+// (O, -1) is the convolution. Not differentiable: kernels.patches takes its gradient from unpatches.
 array patches(const array& x, int kernel_h, int kernel_w, int stride, int padding, int dilation, int threads);
+
+// The transpose of patches (col2im): columns (N, Ho, Wo, kernel_h * kernel_w * C) of a (height,
+// width) image -> (N, height, width, C), each pixel the sum of the columns' entries that patches
+// copies from it (the gradient of patches w.r.t. x).
+array unpatches(const array& columns, int height, int width, int kernel_h, int kernel_w, int stride, int padding,
+                int dilation, int threads);
 
 }  // namespace kernels
