@@ -64,7 +64,9 @@ def test_patches_threads_split_rows_not_results(rng, monkeypatch):
         monkeypatch.setattr(sys.modules["kernels.patches"], "threads", lambda count=count: count)
         kernels.patches.__globals__["_native"].cache_clear()
         columns = kernels.patches(x, 3, 2, 2, 2)
-        results.append([np.array(columns), np.array(mx.vjp(lambda a: kernels.patches(a, 3, 2, 2, 2), [x], [columns])[1][0])])
+        results.append(
+            [np.array(columns), np.array(mx.vjp(lambda a: kernels.patches(a, 3, 2, 2, 2), [x], [columns])[1][0])]
+        )
     for one, three in zip(*results, strict=True):
         np.testing.assert_array_equal(one, three)
 
