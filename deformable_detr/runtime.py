@@ -12,9 +12,7 @@ installs two from PyPI, OpenBLAS (`scipy-openblas32`) and MKL, and DEFORMABLE_DE
   (bench/train_step.py, bench/README.md);
 - `openblas` or `mkl`: that one, where installed; `bundled`: MLX's own.
 scipy-openblas32 names its symbols `scipy_cblas_*`: kernels' `libopenblas_cblas.so` (built with the
-C++ extension) gives MLX them under the names it calls, preloaded after OpenBLAS. On a CPU with
-AVX-512, OpenBLAS is told to run its AVX-512 (SkylakeX) kernels, which it does not choose itself on
-an AMD Zen 5 (`blas_settings`).
+C++ extension) gives MLX them under the names it calls, preloaded after OpenBLAS.
 
 malloc: MLX's CPU back-end allocates a fresh buffer for every op's output, and glibc maps each large
 one anew and returns it on free, so every activation is page-faulted in again (23.5 M page faults in
@@ -29,15 +27,11 @@ import sys
 from pathlib import Path
 
 CHOICES = ("auto", "openblas", "mkl", "bundled")
-# Set beside OpenBLAS. Its idle threads spin for 2**28 cycles after each product, on the cores MLX's
-# one-thread operations and the attention kernel's threads need: 2**4 made an R50 inference 0.3 s
-# faster here (2.98 / 3.49 s against 3.32 / 3.81 s, alternating) and a 512 x 683 training step
+# Set beside each BLAS. OpenBLAS's idle threads spin for 2**28 cycles after each product, on the cores
+# MLX's one-thread operations and the attention kernel's threads need: 2**4 made an R50 inference
+# 0.3 s faster here (2.98 / 3.49 s against 3.32 / 3.81 s, alternating) and a 512 x 683 training step
 # 0.5-1.5 s (9.02 / 9.06 against 9.51 / 10.52 s).
-OPENBLAS_SETTINGS = {"OPENBLAS_THREAD_TIMEOUT": "4"}
-# OpenBLAS 0.3.34 takes an AMD Zen 5 (family 26) with AVX-512 for a Haswell: AVX2 kernels, a
-# (53400, 576) x (576, 64) product 26 ms instead of 19 ms, a 512 x 683 training step 6.5-7.1 s
-# instead of 4.7-4.9 s (bench/README.md). Where the CPU has what its SkylakeX kernels use, it is told.
-SKYLAKEX_FLAGS = {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+BLAS_SETTINGS = {"openblas": {"OPENBLAS_THREAD_TIMEOUT": "4"}}
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(16 * 2**30), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30)}
 
 
@@ -61,32 +55,15 @@ def openblas_libraries() -> list[Path]:
     return libraries if all(library.is_file() for library in libraries) else []
 
 
-def _cpuinfo(field: str) -> str:
-    """The first CPU's `field` in /proc/cpuinfo, or "" where there is none."""
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "" where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.split(":", 1)[0].strip() == field:
+            if line.startswith("vendor_id"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
-
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "" where there is none."""
-    return _cpuinfo("vendor_id")
-
-
-def cpu_flags() -> set[str]:
-    """/proc/cpuinfo's flags (avx2, avx512f, ...), empty where there are none."""
-    return set(_cpuinfo("flags").split())
-
-
-def blas_settings(choice: str) -> dict:
-    """The environment set beside BLAS `choice` (a variable the user set is left as it is)."""
-    if choice != "openblas":
-        return {}
-    return {**OPENBLAS_SETTINGS, **({"OPENBLAS_CORETYPE": "SkylakeX"} if SKYLAKEX_FLAGS <= cpu_flags() else {})}
 
 
 def blas_preference(environ=None) -> list[str]:
@@ -133,7 +110,7 @@ def runtime_environment(environ=None) -> dict:
     missing = [str(library) for library in _installed(choice) if str(library) not in preload]
     if missing:
         env["LD_PRELOAD"] = ":".join(missing + preload)
-    for name, value in blas_settings(choice).items():
+    for name, value in BLAS_SETTINGS.get(choice, {}).items():
         env.setdefault(name, value)
     return env
 
@@ -156,7 +133,7 @@ def load_blas() -> list[Path]:
     if "mlx.core" in sys.modules:
         raise RuntimeError("load_blas() must come before the first import of mlx.core")
     choice = blas_choice()
-    for name, value in blas_settings(choice).items():
+    for name, value in BLAS_SETTINGS.get(choice, {}).items():
         os.environ.setdefault(name, value)  # read when the library loads
     libraries = _installed(choice)
     for library in libraries:

@@ -23,27 +23,22 @@ openblas = pytest.mark.skipif(
 )
 
 PROGRAM = """
-import ctypes
 import os
 from deformable_detr.cli import entry_point
 
 @entry_point
 def main(argv=None):
-    names = ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_CORETYPE")
+    names = ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "OPENBLAS_THREAD_TIMEOUT")
     print(*(os.environ.get(name, "") for name in names), sep="|")
-    corename = getattr(ctypes.CDLL(None), "scipy_openblas_get_corename", None)
-    if corename is not None:
-        corename.restype = ctypes.c_char_p
-        print(corename().decode())  # the kernels OpenBLAS runs
 
 main()
 """
 
-SET_UP = ("LD_PRELOAD", "OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_CORETYPE", *runtime.MALLOC)
-
 
 def run_program(**settings):
-    environment = {k: v for k, v in os.environ.items() if k not in SET_UP}
+    environment = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_THREAD_TIMEOUT", *runtime.MALLOC)
+    }
     environment.pop("DEFORMABLE_DETR_BLAS", None)
     return subprocess.run(
         [sys.executable, "-c", PROGRAM], capture_output=True, text=True, env={**environment, **settings}
@@ -57,22 +52,8 @@ def test_a_command_run_as_a_program_sets_up_its_process_once(choice):
     assert done.returncode == 0, done.stderr
     chosen = {"DEFORMABLE_DETR_BLAS": choice}
     want = ":".join(str(library) for library in runtime.blas_libraries(chosen))
-    openblas = runtime.blas_choice(chosen) == "openblas"
-    timeout = "4" if openblas else ""  # OpenBLAS's idle threads sleep soon
-    core = "SkylakeX" if openblas and runtime.SKYLAKEX_FLAGS <= runtime.cpu_flags() else ""
-    lines = done.stdout.splitlines()
-    assert lines[0] == f"{want}|{16 * 2**30}|{timeout}|{core}"  # main ran once, set up
-    assert lines[1:] == ([core or lines[1]] if openblas else [])  # OpenBLAS took the kernels it was told
-
-
-def test_openblas_is_told_its_avx512_kernels_where_the_cpu_has_them(monkeypatch):
-    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "fma", *runtime.SKYLAKEX_FLAGS})
-    assert runtime.blas_settings("openblas") == {"OPENBLAS_THREAD_TIMEOUT": "4", "OPENBLAS_CORETYPE": "SkylakeX"}
-    assert runtime.blas_settings("mkl") == runtime.blas_settings("bundled") == {}
-    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})  # not all it needs
-    assert runtime.blas_settings("openblas") == {"OPENBLAS_THREAD_TIMEOUT": "4"}
-    environment = runtime.runtime_environment({"OPENBLAS_CORETYPE": "Haswell", "DEFORMABLE_DETR_BLAS": "openblas"})
-    assert environment["OPENBLAS_CORETYPE"] == "Haswell"  # the user's own stays
+    timeout = "4" if runtime.blas_choice(chosen) == "openblas" else ""  # OpenBLAS's idle threads sleep soon
+    assert done.stdout.splitlines() == [f"{want}|{16 * 2**30}|{timeout}"]  # main ran once, set up
 
 
 def test_auto_is_mkl_on_intel_and_openblas_elsewhere(monkeypatch):
