@@ -77,7 +77,7 @@ def measure_ours(task, repeats, size, checkpointing):
         "seconds": seconds,
         "batch": batch,
         "mlx_peak_mib": mx.get_peak_memory() / 2**20,
-        "versions": f"mlx {mx.__version__}, attention backend {backend}, BLAS {runtime.blas_in_use()}",
+        "versions": f"mlx {mx.__version__}, attention backend {backend}, BLAS {runtime.blas_description()}",
     }
 
 

@@ -30,7 +30,7 @@ def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dic
     import numpy as np
 
     import deformable_detr.deformable_transformer as transformer_module
-    from deformable_detr import build_model, load_config
+    from deformable_detr import build_model, load_config, runtime
     from deformable_detr.backbone import Backbone
     from deformable_detr.engine import Trainer, seed_step
 
@@ -101,7 +101,7 @@ def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dic
             }
         )
     kept = results[1:]  # after the warm-up
-    return {k: float(np.median([r[k] for r in kept])) for k in kept[0]}
+    return {**{k: float(np.median([r[k] for r in kept])) for k in kept[0]}, "blas": runtime.blas_description()}
 
 
 @entry_point(runtime=False)
@@ -117,7 +117,6 @@ def main(argv=None):
         print(json.dumps(timed_parts(args.measure == "on", size, args.repeats)))
         return
 
-    from deformable_detr import runtime
     from deformable_detr.runtime import runtime_environment
 
     results = {}
@@ -128,7 +127,7 @@ def main(argv=None):
         print(setting, results[setting], flush=True)
     lines = [
         f"R50 training step (configs/r50.yaml), micro-batch 2 x {size[0]} x {size[1]}, median of {args.repeats} "
-        f"after a warm-up, seconds; CPU with {runtime.blas_choice()}",
+        f"after a warm-up, seconds; CPU with {results['off']['blas']}",
         "",
         "| part | checkpointing off | checkpointing on |",
         "| --- | ---: | ---: |",

@@ -152,3 +152,14 @@ def blas_in_use() -> str:
         if libraries and all(str(library.resolve()) in maps for library in libraries):
             return name
     return "bundled"
+
+
+def blas_description() -> str:
+    """`blas_in_use()`, with the kernels OpenBLAS runs (it reads OPENBLAS_CORETYPE, which some machines
+    set): e.g. "openblas (SkylakeX kernels)"."""
+    name = blas_in_use()
+    corename = getattr(ctypes.CDLL(None), "scipy_openblas_get_corename", None) if name == "openblas" else None
+    if corename is None:
+        return name
+    corename.restype = ctypes.c_char_p
+    return f"{name} ({corename().decode()} kernels)"

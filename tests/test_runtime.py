@@ -164,3 +164,14 @@ def test_matrix_products_with_every_layout_and_scale(dtype):
     if dtype != mx.complex64:  # addmm is real here
         got = mx.addmm(as_mx(c), as_mx(a), as_mx(b), alpha=0.5, beta=2.0)
         np.testing.assert_allclose(np.array(got), 2.0 * c + 0.5 * (a @ b), **tolerance, err_msg="addmm")
+
+
+@openblas
+def test_the_description_names_the_kernels_openblas_runs():
+    if runtime.blas_in_use() != "openblas":
+        pytest.skip(f"the tests run on {runtime.blas_in_use()} here")
+    description = runtime.blas_description()
+    assert description.startswith("openblas (") and description.endswith(" kernels)")
+    told = os.environ.get("OPENBLAS_CORETYPE")  # some machines set it; OpenBLAS then runs those kernels
+    if told:
+        assert description.lower() == f"openblas ({told.lower()} kernels)"
