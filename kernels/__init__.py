@@ -1,12 +1,13 @@
 """Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and
 `ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature); beside them
 `linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
-`layer_norm` and `patches` (im2col) on every CPU core.
+`layer_norm`, `patches` (im2col) and `bernoulli16` (random masks) on every CPU core.
 
 This package knows nothing of DETR."""
 
 from .assignment import linear_assignment
 from .backends import available as available_backends
+from .bernoulli import bernoulli16
 from .grid_sample import grid_sample
 from .layer_norm import layer_norm
 from .ms_deform_attn import BACKENDS, ms_deform_attn
@@ -16,6 +17,7 @@ from .softmax import softmax
 __all__ = [
     "BACKENDS",
     "available_backends",
+    "bernoulli16",
     "grid_sample",
     "layer_norm",
     "linear_assignment",

@@ -14,7 +14,7 @@ using namespace nb::literals;
 NB_MODULE(_native, m) {
   m.doc() =
       "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm, "
-      "patches and unpatches";
+      "patches and unpatches, bernoulli16";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",
@@ -34,4 +34,5 @@ NB_MODULE(_native, m) {
         "threads"_a);
   m.def("unpatches", &kernels::unpatches, "columns"_a, "height"_a, "width"_a, "kernel_h"_a, "kernel_w"_a, "stride"_a,
         "padding"_a, "dilation"_a, "threads"_a);
+  m.def("bernoulli16", &kernels::bernoulli16, "key"_a, "shape"_a, "threshold"_a, "threads"_a);
 }

@@ -48,4 +48,8 @@ array patches(const array& x, int kernel_h, int kernel_w, int stride, int paddin
 array unpatches(const array& columns, int height, int width, int kernel_h, int kernel_w, int stride, int padding,
                 int dilation, int threads);
 
+// A bool array of `shape`, each element true with probability threshold / 65536, from `key` (two
+// uint32): the same key gives the same array.
+array bernoulli16(const array& key, const std::vector<int>& shape, int threshold, int threads);
+
 }  // namespace kernels
