@@ -1,4 +1,4 @@
-"""MLX's CPU convolution and this port's (`backbone.Conv2d`: 1 x 1 as a matrix product) against
+"""MLX's CPU convolution and this port's (`backbone.Conv2d`: matrix products, of patches for k x k) against
 PyTorch's on the R50 backbone's shapes at 800 x 1066, and the whole ResNet-50 (this port's backbone
 against transformers' ResNet-50, random weights), forward only.
 
@@ -98,7 +98,7 @@ def main(argv=None):
     lines = [
         f"forward, seconds, median of {args.repeats} after a warm-up; ratio = PyTorch / ours (< 1: ours slower)",
         "",
-        "MLX: mx.conv2d; ours: backbone.Conv2d (1 x 1 as a matrix product, the others mx.conv2d)",
+        "MLX: mx.conv2d; ours: backbone.Conv2d (1 x 1 as a matrix product, k x k as patches times the weight)",
         "",
         "| convolution (in, out, kernel, stride, H, W) / model | PyTorch | MLX | ours | ratio (PyTorch / ours) |",
         "| --- | ---: | ---: | ---: | ---: |",
