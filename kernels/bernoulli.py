@@ -3,8 +3,9 @@ threshold / 65536, drawn from `key` (an MLX key, two uint32): the same key gives
 
 Each 64-bit random word gives four elements, 16 bits each (half the random bits of
 `mx.random.bernoulli`'s floats). On the CPU it is the C++ operation of `kernels._native`: splitmix64
-of the key and a counter, on every core, about 20x faster than MLX's threefry generator there (one
-thread, 20 rounds a word), which made dropout a quarter of a transformer layer's forward. Elsewhere
+of the key and a counter, on every core: a (14620, 1024) mask in 3.8 ms against 33 ms from MLX's
+threefry words there (one thread, 20 rounds a word), which made dropout a quarter of a transformer
+layer's forward. Elsewhere
 the words are MLX's (`mx.random.split(key, n / 4)`): the same probabilities, other draws.
 """
 
