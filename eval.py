@@ -8,17 +8,12 @@ Prints pycocotools' 12-line summary; writes eval_results.json (AP, AP50, ..., AR
 detections_val.json (COCO results format) to --output-dir (default: beside the checkpoint).
 """
 
-import json
-import sys
 from pathlib import Path
 
-from deformable_detr import load_config
 from deformable_detr.cli import ArgumentParser, entry_point
-from deformable_detr.data import build_dataset
-from deformable_detr.evaluation import evaluate, evaluation_batch_size, per_class_table
-from deformable_detr.hub import is_hub, parse
-from deformable_detr.visualize import pr_curves
-from deformable_detr.weights import config_from_weights, load_trained_model
+from deformable_detr.inference.detector import Detector
+from deformable_detr.inference.evaluation import per_class_table
+from deformable_detr.weights.hub import is_hub, parse
 
 
 def parse_args(argv=None):
@@ -37,17 +32,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def name_mismatches(recorded: dict, dataset) -> list[str]:
-    """Where the weights' category names (if recorded) differ from the dataset's at the same id:
-    AP would score one class's detections against another's boxes."""
-    names = dataset.class_names()
-    return [
-        f"category {i} is {recorded[i]!r} in the weights but {names[i]!r} in {dataset.annotation_file}"
-        for i in sorted(set(recorded) & set(names))
-        if recorded[i].casefold() != names[i].casefold()
-    ]
-
-
 def default_output_dir(checkpoint: str) -> Path:
     """Beside the checkpoint; for weights from the Hub, output/ORG--NAME."""
     return Path("output") / parse(checkpoint)[0].replace("/", "--") if is_hub(checkpoint) else Path(checkpoint).parent
@@ -56,24 +40,14 @@ def default_output_dir(checkpoint: str) -> Path:
 @entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    overrides = args.overrides + ([f"data.coco_path={args.coco_path}"] if args.coco_path else [])
-    cfg = load_config(args.config, overrides) if args.config else config_from_weights(args.checkpoint, overrides)
-    model, recorded_names = load_trained_model(args.checkpoint, cfg, raw=args.raw_weights)
-    dataset = build_dataset("val", cfg.data)
-    for message in name_mismatches(recorded_names, dataset):
-        print(f"warning: {message}", file=sys.stderr)
-    batch_size = args.batch_size or evaluation_batch_size(cfg)
-    evaluation = evaluate(model, dataset, batch_size, cfg.data.num_workers, verbose=True)
-    print(per_class_table(evaluation.stats))
+    detector = Detector.load(args.checkpoint, args.config, args.overrides, raw_weights=args.raw_weights)
     output_dir = args.output_dir or default_output_dir(args.checkpoint)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "detections_val.json").write_text(json.dumps(evaluation.detections))
-    (output_dir / "eval_results.json").write_text(json.dumps(evaluation.stats, indent=2))
-    pr_curves(evaluation.curves, output_dir / "pr_curves.png")
+    stats = detector.evaluate(args.coco_path, batch_size=args.batch_size, output_dir=output_dir, verbose=True)
+    print(per_class_table(stats))
     print(
         f"wrote {', '.join(str(output_dir / n) for n in ('eval_results.json', 'detections_val.json', 'pr_curves.png'))}"
     )
-    return evaluation.stats
+    return stats
 
 
 if __name__ == "__main__":

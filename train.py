@@ -14,17 +14,17 @@ gradients averaged with all_sum, each process its own share of every epoch, rank
 import json
 from pathlib import Path
 
-import mlx.core as mx
-
 from deformable_detr import build_model, load_config
 from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import DataLoader, build_dataset, num_classes_for
-from deformable_detr.engine import Trainer, process_share
-from deformable_detr.evaluation import evaluate, evaluation_batch_size, per_class_table
-from deformable_detr.memory import check_memory
-from deformable_detr.run_directory import RunDirectory
-from deformable_detr.training import Progress, fit
-from deformable_detr.weights import load_checkpoint, load_for_finetuning, load_model_weights
+from deformable_detr.inference.evaluation import evaluate, evaluation_batch_size, per_class_table
+from deformable_detr.training.engine import Progress, fit
+from deformable_detr.training.run_directory import RunDirectory
+from deformable_detr.training.trainer import Trainer, process_share
+from deformable_detr.weights.checkpoint import load_checkpoint
+from deformable_detr.weights.loading import load_for_finetuning, load_model_weights
+
+import mlx.core as mx
 
 
 def parse_args(argv=None):
@@ -40,12 +40,31 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def start_weights(model, args, class_names: dict, say):
+    """--weights (some of a model's), --finetune (a model of other classes), or for --eval-only --resume
+    (the checkpoint's weights: its EMA where it has one) into `model`."""
+    if args.weights:
+        say(f"started from {load_model_weights(model, args.weights, strict=False)} tensors of {args.weights}")
+    if args.finetune:
+        say(load_for_finetuning(model, args.finetune, class_names))
+    if args.eval_only and args.resume:
+        say(f"evaluating {load_model_weights(model, args.resume)} tensors of {args.resume}")
+
+
+def evaluate_only(model, cfg, run: RunDirectory):
+    if run.is_main:
+        stats = evaluate(model, build_dataset("val", cfg.data), evaluation_batch_size(cfg), cfg.data.num_workers).stats
+        run.write_results(stats)
+        run.print(per_class_table(stats))
+        run.print(json.dumps({k: v for k, v in stats.items() if k != "per_class"}, indent=2))
+
+
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     group = mx.distributed.init()
-    share = process_share(cfg, group.size())  # images per process and step
+    process_share(cfg, group.size())  # a batch that does not split over the processes: a usage error, at once
     train_set = build_dataset("train", cfg.data)
     cfg.model.num_classes = num_classes_for(train_set, cfg.model.num_classes)
     output_dir = args.output_dir or Path("output") / Path(args.config).stem
@@ -53,29 +72,19 @@ def main(argv=None):
 
     mx.random.seed(cfg.seed)
     model = build_model(cfg)
-    if args.weights:
-        run.print(f"started from {load_model_weights(model, args.weights, strict=False)} tensors of {args.weights}")
-    if args.finetune:
-        run.print(load_for_finetuning(model, args.finetune, train_set.class_names()))
-    trainer = Trainer.from_config(model, cfg, group)
+    start_weights(model, args, train_set.class_names(), run.print)
+    if args.eval_only:
+        return evaluate_only(model, cfg, run)
+    trainer = Trainer.from_config(model, cfg, train_set.image_sizes(), group, log=run.print)  # with its memory plan
+    run.write_config()
     progress = Progress()
     if args.resume:
         resumed = load_checkpoint(args.resume, trainer)
         run.resume(args.resume, resumed)
         progress = Progress.from_checkpoint(resumed)
         run.print(f"resumed from {args.resume}: epoch {progress.epoch}, step {progress.step}")
-    val = build_dataset("val", cfg.data) if run.is_main and (cfg.train.eval_every or args.eval_only) else None
-    if args.eval_only:
-        if val is not None:
-            with trainer.evaluation_weights():
-                stats = evaluate(model, val, evaluation_batch_size(cfg), cfg.data.num_workers).stats
-            run.write_results(stats)
-            run.print(per_class_table(stats))
-            run.print(json.dumps({k: v for k, v in stats.items() if k != "per_class"}, indent=2))
-        return
-
-    model.train()
-    micro, _ = check_memory(trainer, train_set, cfg, share, log=run.print)
+    val = build_dataset("val", cfg.data) if run.is_main and cfg.train.eval_every else None
+    micro, share = trainer.micro_batch_size, cfg.schedule.batch_size // group.size()
     run.print(f"{cfg.schedule.batch_size} images a step: {group.size()} process(es) x {share // micro} of {micro}")
     loader = DataLoader(
         train_set,

@@ -9,22 +9,21 @@ and the fused Metal or CUDA kernels where MLX has that back-end) and for the aut
 CUDA with `--torch-device cuda`; there, also the authors' compiled CUDA op when its extension
 (`MultiScaleDeformableAttention`, built from their repository, not by this one) is importable.
 `kernels` runs on MLX's default device. The ratio column is torch core / ours: above 1 means ours
-is faster. The process keeps freed memory in glibc's heap, as our commands run (`runtime.setup`
-without the BLAS, which neither side uses here): both sides' fresh buffers are then reused, not
-page-faulted in anew. `--malloc default` runs on glibc's defaults instead, as a plain script does:
-there the torch core's forward + backward took about 1.8x as long here, ours 1.15x.
+is faster. The process keeps freed memory in glibc's heap, as every process that imports
+deformable_detr does (`runtime.py`): both sides' fresh buffers are then reused, not page-faulted in
+anew. On glibc's defaults (before 2026-12-02) the torch core's forward + backward took about 1.8x as
+long here, ours 1.15x.
 """
 
 import platform
 import sys
 from pathlib import Path
 
+import kernels
+from deformable_detr.cli import ArgumentParser, entry_point
+
 import mlx.core as mx
 import numpy as np
-
-import kernels
-from deformable_detr import runtime
-from deformable_detr.cli import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,7 +120,7 @@ def time_authors_cuda_op(shapes, arrays, repeats):
     return median_time(forward, repeats), median_time(forward_backward, repeats)
 
 
-@entry_point(runtime=False)
+@entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -131,15 +130,7 @@ def main(argv=None):
     parser.add_argument(
         "--points", choices=["uniform", "encoder"], default="uniform", help="uniform, or near each token (encoder-like)"
     )
-    parser.add_argument(
-        "--malloc",
-        choices=["kept", "default"],
-        default="kept",
-        help="glibc's malloc keeping freed memory, as our commands run (kept), or its defaults",
-    )
     args = parser.parse_args(argv)
-    if args.malloc == "kept":
-        runtime.setup(blas=False)
 
     shapes = ENCODER["shapes"]
     arrays = inputs(**ENCODER, where=args.points)

@@ -36,10 +36,10 @@ SHAPES = [  # (in channels, out channels, kernel, stride, input height, input wi
 
 
 def measure_mlx(repeats):
-    import mlx.core as mx
-
     from deformable_detr import build_model, load_config
-    from deformable_detr.backbone import Conv2d
+    from deformable_detr.models.backbone import Conv2d
+
+    import mlx.core as mx
 
     result = {}
     for c_in, c_out, k, s, h, w in SHAPES:
@@ -77,7 +77,7 @@ def measure_torch(repeats):
     return result
 
 
-@entry_point(runtime=False)
+@entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -87,12 +87,12 @@ def main(argv=None):
     if args.measure:
         print(json.dumps((measure_mlx if args.measure == "mlx" else measure_torch)(args.repeats)))
         return
-    from deformable_detr.runtime import malloc_environment, runtime_environment
+    from deformable_detr.runtime import malloc_environment
 
     sides = {}
     for side in ("mlx", "torch"):
         plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        env = runtime_environment() if side == "mlx" else malloc_environment(plain)  # the same malloc
+        env = plain if side == "mlx" else malloc_environment(plain)  # the same malloc (ours: as it imports the package)
         command = [sys.executable, __file__, "--measure", side, "--repeats", str(args.repeats)]
         sides[side] = measured(command, env, f"the {side} side")
     lines = [

@@ -10,6 +10,7 @@ the weights (measured after they are evaluated); the optimizer's state is not in
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,11 +37,14 @@ def measure(parts, size):
 
     sys.path.insert(0, str(ROOT))
     from deformable_detr import build_model, load_config
-    from deformable_detr.engine import Trainer
+    from deformable_detr.training.trainer import Trainer
 
-    cfg = load_config(ROOT / "configs" / "r50.yaml", ["train.activation_checkpointing=false"])
+    cfg = load_config(
+        ROOT / "configs" / "r50.yaml",
+        ["train.activation_checkpointing=false", "schedule.batch_size=2", "schedule.micro_batch_size=2"],
+    )
     model = build_model(cfg)
-    trainer = Trainer.from_config(model, cfg)
+    trainer = Trainer.from_config(model, cfg, [size[::-1]])  # (width, height)
     if parts:
         model.backbone[0].body.activation_checkpointing = "backbone" in parts
         model.transformer.encoder.activation_checkpointing = "encoder" in parts
@@ -68,7 +72,7 @@ def measure(parts, size):
     return {"peak_mib": (mx.get_peak_memory() - base) / 2**20, "seconds": time.perf_counter() - start}
 
 
-@entry_point(runtime=False)
+@entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=image_sizes, default="512x683", help="HxW")
@@ -79,10 +83,7 @@ def main(argv=None):
     if args.measure is not None:
         print(json.dumps(measure(json.loads(args.measure), size)))
         return
-    sys.path.insert(0, str(ROOT))
-    from deformable_detr.runtime import runtime_environment
-
-    env = runtime_environment()
+    env = dict(os.environ)
     lines = [
         f"R50 training step, batch 2, {size[0]}x{size[1]}: MLX's peak above the weights, by what is checkpointed",
         "",

@@ -6,8 +6,8 @@
 PyTorch side: Hugging Face's `DeformableDetrForObjectDetection` (the authors' architecture: ResNet-50,
 6 + 6 layers, 300 queries, 4 levels, 91 classes; its deformable attention core is PyTorch ops on
 the CPU, as the authors' `ms_deform_attn_core_pytorch`), random weights, `--threads` torch threads,
-stem and layer1 frozen for training as the authors do. Ours: `configs/r50.yaml`, its BLAS preloaded
-(as `train.py` and `eval.py` run, deformable_detr/runtime.py), the attention on the fastest backend
+stem and layer1 frozen for training as the authors do. Ours: `configs/r50.yaml`, on the BLAS and malloc
+set up as the package is imported (deformable_detr/runtime.py), the attention on the fastest backend
 here. Each side runs in its own process, which reports its median time over `--repeats` after a
 warm-up and its peak resident memory (ru_maxrss, the whole process: Python, libraries, weights and
 activations). Both processes keep freed memory in glibc's heap as our commands do
@@ -33,9 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from common import bars, image_sizes, measured, median_time  # noqa: E402
-
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
+
+from common import bars, image_sizes, measured, median_time  # noqa: E402
 
 SIZE = (800, 1066)
 
@@ -51,10 +51,11 @@ def measure_ours(task, repeats, size, checkpointing):
 
     sys.path.insert(0, str(ROOT))
     import kernels
-    from deformable_detr import build_model, load_config, runtime
-    from deformable_detr.engine import Trainer
+    from deformable_detr import build_model, load_config
+    from deformable_detr.training.trainer import Trainer
 
     overrides = [f"train.activation_checkpointing={str(checkpointing).lower()}"]
+    overrides += ["schedule.batch_size=2", "schedule.micro_batch_size=2"]  # the step below: the plan's probes of 2
     cfg = load_config(ROOT / "configs" / "r50.yaml", overrides + ([] if task == "train" else ["model.dropout=0.0"]))
     model = build_model(cfg)
     rng = np.random.default_rng(0)
@@ -67,7 +68,7 @@ def measure_ours(task, repeats, size, checkpointing):
         x, m = mx.array(images), mx.array(mask)
         seconds = median_time(lambda: mx.eval(model(x, m)), repeats)
     else:
-        trainer = Trainer.from_config(model, cfg)
+        trainer = Trainer.from_config(model, cfg, [size[::-1]])  # (width, height)
         targets = [
             {k: np.array(v, np.float32 if k == "boxes" else np.int64) for k, v in t.items()} for t in targets_for(batch)
         ]
@@ -77,7 +78,7 @@ def measure_ours(task, repeats, size, checkpointing):
         "seconds": seconds,
         "batch": batch,
         "mlx_peak_mib": mx.get_peak_memory() / 2**20,
-        "versions": f"mlx {mx.__version__}, attention backend {backend}, BLAS {runtime.blas_description()}",
+        "versions": f"mlx {mx.__version__}, attention backend {backend}, BLAS {kernels.blas.description()}",
     }
 
 
@@ -129,7 +130,7 @@ def default_checkpointing(without: dict) -> bool:
     """What configs/r50.yaml's `train.activation_checkpointing: auto` chooses for this step on this
     machine: off where the step's MLX peak without recomputation fits the memory budget."""
     from deformable_detr import load_config
-    from deformable_detr.memory import budget_bytes
+    from deformable_detr.training.memory_plan import budget_bytes
 
     return without["mlx_peak_mib"] * 2**20 > budget_bytes(load_config(ROOT / "configs" / "r50.yaml").train)
 
@@ -140,9 +141,7 @@ def run_side(side, task, repeats, size, threads, checkpointing=False, torch_mall
     from deformable_detr import runtime
 
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", *runtime.MALLOC)}
-    if side == "ours":
-        env = runtime.runtime_environment(env)  # as train.py runs
-    elif torch_malloc == "same":
+    if side != "ours" and torch_malloc == "same":  # ours sets itself up as it imports deformable_detr
         env = runtime.malloc_environment(env)
     command = [sys.executable, __file__, "--measure", side, "--task", task, "--repeats", str(repeats)]
     command += ["--threads", str(threads), "--train-size", f"{size[0]}x{size[1]}"]
@@ -150,7 +149,7 @@ def run_side(side, task, repeats, size, threads, checkpointing=False, torch_mall
     return measured(command, env, f"{side} {task}")
 
 
-@entry_point(runtime=False)
+@entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=["inference", "train", "both"], default="both")

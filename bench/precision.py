@@ -7,11 +7,12 @@ peak memory, each precision in its own process.
 `--size` with three boxes each, random weights (seeded: the same for both, and the same dropout
 masks); the median of `--repeats` steps after a warm-up
 step. Memory: MLX's peak (`mx.get_peak_memory`, arrays only) and the process's peak RSS. The
-measured processes start as `train.py` does (the BLAS preloaded, `runtime.runtime_environment`).
+measured processes set themselves up as every process that imports deformable_detr (runtime.py).
 """
 
 import argparse
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -25,15 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(precision: str, size: tuple[int, int], repeats: int) -> dict:
+    from deformable_detr import build_model, load_config
+    from deformable_detr.training.trainer import Trainer, seed_step
+
     import mlx.core as mx
     import numpy as np
 
-    from deformable_detr import build_model, load_config
-    from deformable_detr.engine import Trainer, seed_step
-
-    cfg = load_config(ROOT / "configs" / "r50.yaml", [f"train.precision={precision}"])
+    cfg = load_config(
+        ROOT / "configs" / "r50.yaml",
+        [f"train.precision={precision}", "schedule.batch_size=2", "schedule.micro_batch_size=2"],
+    )
     mx.random.seed(0)  # the same weights, and dropout masks, for both precisions
-    trainer = Trainer.from_config(build_model(cfg), cfg)
+    trainer = Trainer.from_config(build_model(cfg), cfg, [size[::-1]])  # (width, height)
     rng = np.random.default_rng(0)
     images = rng.standard_normal((2, *size, 3)).astype(np.float32)
     mask = np.zeros((2, *size), bool)
@@ -55,7 +59,7 @@ def measure(precision: str, size: tuple[int, int], repeats: int) -> dict:
     }
 
 
-@entry_point(runtime=False)
+@entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=image_sizes, default="800x1066", help="HxW of the images")
@@ -68,19 +72,18 @@ def main(argv=None):
         print(json.dumps(measure(args.measure, size, args.repeats)))
         return
 
-    from deformable_detr import runtime
-    from deformable_detr.runtime import runtime_environment
+    import kernels
 
     results = {}
     for precision in ("float32", "bfloat16"):
         command = [sys.executable, __file__, "--measure", precision, "--size", f"{size[0]}x{size[1]}"]
         command += ["--repeats", str(args.repeats)]
-        results[precision] = measured(command, runtime_environment(), f"the {precision} step")
+        results[precision] = measured(command, dict(os.environ), f"the {precision} step")
         print(precision, results[precision], flush=True)
     base = results["float32"]
     lines = [
         f"R50 training step (configs/r50.yaml, activation checkpointing on), micro-batch 2 x {size[0]} x {size[1]}, "
-        f"median of {args.repeats} after a warm-up; mlx {base['mlx']}, CPU with {runtime.blas_choice()}",
+        f"median of {args.repeats} after a warm-up; mlx {base['mlx']}, CPU with {kernels.blas.choice()}",
         "",
         "| precision | step (s) | time vs float32 | MLX peak MiB | peak RSS MiB | first-step loss |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",

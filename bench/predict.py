@@ -7,9 +7,9 @@ and what recording costs the R50 model's forward.
 1. The quick start's model (train it first: `python train.py --config configs/shapes.yaml`) on the
    first `--count` val images: `predict`'s own images/s (loading, the forward, drawing and writing
    every file) plain, with --attention, and with --attention --encoder-pixel, in batches of 1 and 4;
-   and the forward with post-processing alone (`detect_batch`, median of 3 passes over the images).
+   and the forward with post-processing alone (`Detector.detect`, median of 3 passes over the images).
 2. configs/r50.yaml with random weights on one image of `--size`: the forward and post-processing
-   (`detect_batch`), median of `--repeats` after a warm-up, without recording and recording the last
+   (`Detector.detect`), median of `--repeats` after a warm-up, without recording and recording the last
    decoder layer (and the last encoder layer); and the check that is all an unrecorded attention
    call adds (`self.recorder is not None`), timed alone, times the model's 18 attention calls.
 """
@@ -22,7 +22,7 @@ import tempfile
 import timeit
 from pathlib import Path
 
-from deformable_detr import runtime
+import kernels
 from deformable_detr.cli import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,50 +48,44 @@ def predict_throughput(checkpoint: Path, images: list[Path], batch: int, flags: 
 
 
 def forward_throughput(checkpoint: Path, paths: list[Path]) -> list[float]:
-    """Images/s of the forward and post-processing alone (`detect_batch`, one image a call) per mode."""
+    """Images/s of the forward and post-processing alone (`Detector.detect`, one image a call) per mode."""
+    from deformable_detr.inference.detector import Detector
+
     from PIL import Image
 
-    from deformable_detr import load_config
-    from deformable_detr.predict import Looking, detect_batch
-    from deformable_detr.weights import load_trained_model
-
-    cfg = load_config(ROOT / "configs" / "shapes.yaml")
-    model, _ = load_trained_model(checkpoint, cfg)
+    detector = Detector.load(checkpoint, ROOT / "configs" / "shapes.yaml")
     images = [Image.open(path).convert("RGB") for path in paths]
     rates = []
-    for looking in (None, Looking(-1, None, 0.3), Looking(-1, (60, 40), 0.3)):
+    for looking in ((None, None), (-1, None), (-1, (60, 40))):
 
         def run(looking=looking):
             for image in images:
-                detect_batch(model, [image], cfg.data.val_size, cfg.data.max_size, looking)
+                detector.detect([image], *looking)
 
         rates.append(len(images) / median_time(run, 3))
     return rates
 
 
 def r50_forward(size: tuple[int, int], repeats: int) -> dict:
+    from deformable_detr import build_model, load_config
+    from deformable_detr.inference.detector import Detector
+    from deformable_detr.models.ms_deform_attn import MSDeformAttn
+
     import mlx.core as mx
     import numpy as np
     from PIL import Image
 
-    from deformable_detr import build_model, load_config
-    from deformable_detr.ms_deform_attn import MSDeformAttn
-    from deformable_detr.predict import Looking, detect_batch
-
-    cfg = load_config(ROOT / "configs" / "r50.yaml")
+    cfg = load_config(ROOT / "configs" / "r50.yaml", [f"data.val_size={size[0]}", f"data.max_size={size[1]}"])
     mx.random.seed(0)
-    model = build_model(cfg)
-    model.eval()
+    detector = Detector(build_model(cfg), cfg, {})
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (*size, 3), dtype=np.uint8))
     seconds = {}
     for name, looking in (
-        ("not recording", None),
-        ("recording the last decoder layer", Looking(-1, None, 0.3)),
-        ("recording it and the last encoder layer", Looking(-1, (size[1] / 2, size[0] / 2), 0.3)),
+        ("not recording", (None, None)),
+        ("recording the last decoder layer", (-1, None)),
+        ("recording it and the last encoder layer", (-1, (size[1] / 2, size[0] / 2))),
     ):
-        seconds[name] = median_time(
-            lambda looking=looking: detect_batch(model, [image], size[0], size[1], looking), repeats
-        )
+        seconds[name] = median_time(lambda looking=looking: detector.detect([image], *looking), repeats)
     attention = MSDeformAttn(32, 1, 1, 1)
     calls = 1_000_000
     check = timeit.timeit(lambda: attention.recorder is not None, number=calls) / calls
@@ -128,7 +122,7 @@ def main(argv=None):
         "",
         f"2. R50 (configs/r50.yaml, random weights), one {size[0]} x {size[1]} image: forward + post-processing,",
     ]
-    lines += [f"median of {args.repeats} after a warm-up; mlx {r50['mlx']}, CPU with {runtime.blas_choice()}", ""]
+    lines += [f"median of {args.repeats} after a warm-up; mlx {r50['mlx']}, CPU with {kernels.blas.choice()}", ""]
     lines += ["| | seconds | vs not recording |", "| --- | ---: | ---: |"]
     base = r50["seconds"]["not recording"]
     lines += [f"| {name} | {s:.3f} | {s / base:.3f} |" for name, s in r50["seconds"].items()]

@@ -12,6 +12,7 @@ of `--repeats` after a warm-up, each setting in its own process, started as trai
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,18 +27,24 @@ PARTS = ("backbone", "encoder", "decoder and heads", "matching and losses", "bac
 
 
 def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dict:
+    import deformable_detr.models.deformable_transformer as transformer_module
+    import kernels
+    from deformable_detr import build_model, load_config
+    from deformable_detr.models.backbone import Backbone
+    from deformable_detr.training.trainer import Trainer, seed_step
+
     import mlx.core as mx
     import numpy as np
 
-    import deformable_detr.deformable_transformer as transformer_module
-    from deformable_detr import build_model, load_config, runtime
-    from deformable_detr.backbone import Backbone
-    from deformable_detr.engine import Trainer, seed_step
-
-    cfg = load_config(ROOT / "configs" / "r50.yaml", [f"train.activation_checkpointing={str(checkpointing).lower()}"])
+    overrides = [
+        f"train.activation_checkpointing={str(checkpointing).lower()}",
+        "schedule.batch_size=2",
+        "schedule.micro_batch_size=2",
+    ]
+    cfg = load_config(ROOT / "configs" / "r50.yaml", overrides)
     mx.random.seed(0)
     model = build_model(cfg)
-    trainer = Trainer.from_config(model, cfg)
+    trainer = Trainer.from_config(model, cfg, [size[::-1]])  # (width, height)
     rng = np.random.default_rng(0)
     images = mx.array(rng.standard_normal((2, *size, 3)).astype(np.float32))
     mask = mx.zeros((2, *size), dtype=mx.bool_)
@@ -101,10 +108,10 @@ def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dic
             }
         )
     kept = results[1:]  # after the warm-up
-    return {**{k: float(np.median([r[k] for r in kept])) for k in kept[0]}, "blas": runtime.blas_description()}
+    return {**{k: float(np.median([r[k] for r in kept])) for k in kept[0]}, "blas": kernels.blas.description()}
 
 
-@entry_point(runtime=False)
+@entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=image_sizes, default="512x683", help="HxW of the images")
@@ -117,13 +124,11 @@ def main(argv=None):
         print(json.dumps(timed_parts(args.measure == "on", size, args.repeats)))
         return
 
-    from deformable_detr.runtime import runtime_environment
-
     results = {}
     for setting in ("off", "on"):
         command = [sys.executable, __file__, "--measure", setting, "--size", f"{size[0]}x{size[1]}"]
         command += ["--repeats", str(args.repeats)]
-        results[setting] = measured(command, runtime_environment(), f"the step with checkpointing {setting}")
+        results[setting] = measured(command, dict(os.environ), f"the step with checkpointing {setting}")
         print(setting, results[setting], flush=True)
     lines = [
         f"R50 training step (configs/r50.yaml), micro-batch 2 x {size[0]} x {size[1]}, median of {args.repeats} "

@@ -3,12 +3,12 @@
     python bench/train_step.py [--config configs/shapes.yaml] [--steps 5] [--size 128]
                                [--blas bundled,openblas,mkl] [--output FILE]
 
-Each side runs in its own process (a BLAS can only be chosen when a process starts), set up as the
-commands set up theirs (`runtime.runtime_environment`, glibc's malloc keeping freed memory) with
+Each side runs in its own process (a BLAS can only be chosen before MLX loads), set up as every
+process that imports deformable_detr (runtime.py: glibc's malloc keeping freed memory, the BLAS) with
 DEFORMABLE_DETR_BLAS set to the side: MLX's bundled reference BLAS, OpenBLAS (scipy-openblas32) or
-MKL; a side whose BLAS is not installed is left out. Synthetic images (a micro-batch of the config's
-micro_batch_size, 2 where it is auto; size x size), two boxes each; median of --steps steps after one
-warm-up."""
+MKL (the `mkl` extra); a side whose BLAS is not installed is left out. Synthetic images (the config's
+batch where it is at most 8, the quick start's; else 2; size x size), two boxes each; median of
+--steps steps after one warm-up."""
 
 import argparse
 import json
@@ -30,14 +30,14 @@ def measure(config: str, steps: int, size: int) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from deformable_detr import build_model, load_config
-    from deformable_detr.engine import Trainer
+    from deformable_detr.training.trainer import Trainer
 
     cfg = load_config(config)
+    batch = cfg.schedule.batch_size if cfg.schedule.batch_size <= 8 else 2  # the quick start's 8; R50's micro-batch 2
+    cfg = load_config(config, [f"schedule.batch_size={batch}", f"schedule.micro_batch_size={batch}"])
     model = build_model(cfg)
-    trainer = Trainer.from_config(model, cfg)
+    trainer = Trainer.from_config(model, cfg, [(size, size)])
     rng = np.random.default_rng(0)
-    micro = cfg.schedule.micro_batch_size
-    batch = 2 if micro == "auto" else micro
     images = rng.standard_normal((batch, size, size, 3)).astype(np.float32)
     mask = np.zeros((batch, size, size), bool)
     targets = [
@@ -61,7 +61,7 @@ def blas_sides(text: str) -> list[str]:
     return sides
 
 
-@entry_point(runtime=False)
+@entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/shapes.yaml")
@@ -82,7 +82,7 @@ def main(argv=None):
         return
 
     sys.path.insert(0, str(ROOT))
-    from deformable_detr import runtime
+    from kernels import blas
 
     command = [
         sys.executable,
@@ -99,8 +99,8 @@ def main(argv=None):
     base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     results = {}
     for side in args.blas:
-        env = runtime.runtime_environment(dict(base_env, DEFORMABLE_DETR_BLAS=side))
-        if side != "bundled" and not runtime.blas_libraries(env):
+        env = dict(base_env, DEFORMABLE_DETR_BLAS=side)
+        if side != "bundled" and blas.choice(env) != side:
             print(f"{names[side]}: not installed here, left out", file=sys.stderr)
             continue
         out = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
@@ -109,8 +109,8 @@ def main(argv=None):
     baseline = first["median_s"]
     lines = [
         f"training step of {args.config}: batch {first['batch']} x {args.size} x {args.size}, "
-        f"median of {args.steps} steps, {os.cpu_count()} CPUs ({runtime.cpu_vendor() or 'vendor unknown'}); "
-        f"speed-up against the first row; auto here: {runtime.blas_choice({})}",
+        f"median of {args.steps} steps, {os.cpu_count()} CPUs ({blas.cpu_vendor() or 'vendor unknown'}); "
+        f"speed-up against the first row; auto here: {blas.choice({})}",
         "",
         f"| {'BLAS':<20} | {'step (s)':>8} | {'speed-up':>8} |",
         f"|{'-' * 22}|{'-' * 10}|{'-' * 10}|",

@@ -1,19 +1,34 @@
 """Deformable DETR in MLX: a port of the authors' PyTorch model.
 
-The names below are imported when first used, so that `deformable_detr.runtime` can be imported
-(and set up the BLAS for MLX) before MLX itself is."""
+    from deformable_detr import Detector
 
-import importlib
+    detector = Detector.load("hf://SenseTime/deformable-detr")  # or a weights file
+    for result in detector.predict(["photo.jpg"], threshold=0.5):
+        print(result.names, result.scores, result.boxes)
+
+Importing the package sets up the process first (`runtime.py`: the BLAS under MLX's products, and
+malloc), so import it before mlx. The names below are imported when first used.
+
+Folders by role, each importing only those listed before it: `models/` (the network, its losses),
+`data/`, `weights/` (files, conversion, the Hub), `inference/` (detection, evaluation, pictures),
+`training/`; the commands (`predict`, `convert`, `export`) on top."""
+
+from . import runtime
+
+runtime.set_up()
+
+import importlib  # noqa: E402
 
 _HOMES = {
+    "Detector": "inference.detector",
     "Config": "config",
     "load_config": "config",
-    "SetCriterion": "criterion",
-    "build_criterion": "criterion",
-    "DeformableDETR": "model",
-    "build_model": "model",
-    "post_process": "model",
-    "MSDeformAttn": "ms_deform_attn",
+    "DeformableDETR": "models",
+    "build_model": "models",
+    "post_process": "models",
+    "SetCriterion": "models",
+    "build_criterion": "models",
+    "MSDeformAttn": "models",
 }
 
 __all__ = sorted(_HOMES)

@@ -1,13 +1,10 @@
-"""What every command shares: the run-time set-up, and bad input or a failure as one line.
+"""What every command shares: bad input or a failure as one line.
 
     @entry_point
     def main(argv=None):
         args = ArgumentParser(...).parse_args(argv)
 
-Run as a program (`python train.py`, `python -m deformable_detr.predict`), the command first sets up
-the process (`runtime.setup`: BLAS, malloc; `@entry_point(runtime=False)` for the benchmarks, which
-set up the processes they measure themselves); imported (the tests call `main(argv)`), it does not.
-Whatever stops it becomes one line on stderr, `error: ...`, and an exit status:
+Whatever stops a command becomes one line on stderr, `error: ...`, and an exit status:
 
 - 2, a usage error (`UsageError`): an argument, a config file, key or value is wrong;
 - 1, a failure of the work: a missing or unreadable file (weights, image, data), bad data, or
@@ -20,23 +17,9 @@ import os
 import sys
 import traceback
 
+from .errors import CommandError, UsageError
+
 TRACEBACK_VARIABLE = "DEFORMABLE_DETR_TRACEBACK"
-
-
-class CommandError(Exception):
-    """A stop whose message is for the user, with the command's exit status."""
-
-    def __init__(self, message: str, status: int = 1):
-        super().__init__(message)
-        self.status = status
-
-
-class UsageError(CommandError, ValueError):
-    """What the user typed is wrong: an argument, a config file, key or value (exit status 2, as
-    argparse's)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, 2)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -46,18 +29,12 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def entry_point(main=None, *, runtime: bool = True):
-    """`@entry_point` or `@entry_point(runtime=False)` on a command's `main(argv=None)`."""
-    if main is None:
-        return functools.partial(entry_point, runtime=runtime)
+def entry_point(main):
+    """`@entry_point` on a command's `main(argv=None)`."""
 
     @functools.wraps(main)
     def command(argv=None):
         try:
-            if runtime and main.__module__ == "__main__":
-                from . import runtime as process
-
-                process.setup()
             return main(argv)
         except (SystemExit, KeyboardInterrupt):
             raise

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from .cli import UsageError
+from .errors import UsageError
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -69,9 +69,9 @@ class ScheduleConfig:
     lr_drop: int = 40  # learning rates x 0.1 from this epoch on
     batch_size: int = 32  # images per optimizer step over all processes (the authors': 2 per GPU on 16 GPUs)
     # Images per forward and backward in each process; the gradients of a process's share of the batch
-    # accumulate over its micro-batches. `auto`: the largest that fits train.memory_limit_gb and
-    # divides the share (train.py's memory check).
-    micro_batch_size: int = field(default=2, metadata={"auto": True})
+    # accumulate over its micro-batches. `auto`: the largest that divides the share and fits
+    # train.memory_limit_gb (the memory plan, training/memory_plan.py: the whole share where it fits).
+    micro_batch_size: int = field(default="auto", metadata={"auto": True})
 
 
 @dataclass
@@ -173,7 +173,9 @@ def _merge(target, data: dict, source: str, prefix: str):
             _merge(current, value, source, f"{prefix}{key}.")
         else:
             default = names[key].default
-            expected = current if default is dataclasses.MISSING else default  # a current `auto` is no type
+            expected = current if default is dataclasses.MISSING else default
+            if expected == "auto":  # `auto` is no type: the annotated one's
+                expected = names[key].type()
             where, allowed = f"{source}: {prefix}{key}", names[key].metadata
             setattr(target, key, _allowed(_coerce(value, expected, where, allowed.get("auto")), allowed, where))
 
@@ -220,3 +222,8 @@ def _allowed(value, allowed: dict, where: str):
 
 def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def model_overrides(options: dict) -> list[str]:
+    """ModelConfig fields (e.g. what converted weights record) as `load_config` overrides."""
+    return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()]

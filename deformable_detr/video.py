@@ -1,5 +1,5 @@
-"""Videos through `predict`, frame by frame: an annotated video and the detections of every frame.
-Needs PyAV (`pip install -e ".[video]"`)."""
+"""Videos through `predict`, frame by frame (`Detector.predict`): an annotated video and the detections
+of every frame. Needs PyAV (`pip install -e ".[video]"`)."""
 
 import json
 import time
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .cli import CommandError, UsageError
+from .errors import CommandError, UsageError
 
 
 def _av():
@@ -41,12 +41,9 @@ def _opened(av, path: Path):
     return container
 
 
-def predict_video(path: Path, model, names: dict, cfg, args):
+def predict_video(path: Path, detector, args):
     """Writes args.output_dir/<stem>.mp4 (H.264, the input's frame rate; even width and height) and
-    <stem>.json: {"video", "fps", "frames": [{"frame", "time", "detections": [predict's records]}]}."""
-    from .predict import detect_batch, records
-    from .visualize import draw_detections
-
+    <stem>.json: {"video", "fps", "frames": [{"frame", "time", "detections": [Detections.to_json()]}]}."""
     av = _av()
     out_path, frames, start = args.output_dir / f"{path.stem}.mp4", [], time.perf_counter()
     with _opened(av, path) as source, av.open(str(out_path), "w") as sink:
@@ -59,12 +56,12 @@ def predict_video(path: Path, model, names: dict, cfg, args):
             try:
                 for batch in _batches(source.decode(stream), args.batch_size):
                     images = [frame.to_image() for frame in batch]
-                    results = detect_batch(model, images, cfg.data.val_size, cfg.data.max_size)
+                    results = detector.predict(images, args.threshold, batch_size=len(images))
                     for frame, image, result in zip(batch, images, results, strict=True):
-                        drawn = draw_detections(image, result, names, args.threshold)
+                        drawn = result.draw(image)
                         sink.mux(encoder.encode(av.VideoFrame.from_image(drawn.crop((0, 0, *size)))))
                         time_s = float(frame.time or 0.0)
-                        frames.append({"frame": len(frames), "time": time_s, "detections": records(result, names)})
+                        frames.append({"frame": len(frames), "time": time_s, "detections": result.to_json()})
                     bar.update(len(batch))
             except av.error.FFmpegError as error:
                 raise ValueError(f"{path}: cannot decode frame {len(frames)} ({error})") from None

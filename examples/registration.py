@@ -12,10 +12,10 @@ starts (the `jax.scipy.ndimage.map_coordinates` bug). `kernels.grid_sample` take
 import argparse
 from pathlib import Path
 
+from kernels import grid_sample
+
 import mlx.core as mx
 import numpy as np
-
-from kernels import grid_sample
 
 SIZE = 32
 SIGMA = 4.0

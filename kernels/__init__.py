@@ -3,7 +3,12 @@
 `linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
 `layer_norm`, `patches` (im2col) and `bernoulli16` (random masks) on every CPU core.
 
-This package knows nothing of DETR."""
+This package knows nothing of DETR. Importing it first sets up the BLAS under MLX's matrix products
+(`blas.py`): import it (or deformable_detr) before mlx."""
+
+from . import blas
+
+blas.set_up()
 
 from .assignment import linear_assignment
 from .backends import available as available_backends

@@ -1,15 +1,14 @@
 import os
 
-from deformable_detr import runtime
-
 # MLX runs float32 matmuls as TF32 on GPUs with matrix units unless told not to (its own test
 # harness says so too); the references here are full float32. Set before MLX's first operation.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
-# The tests run on the BLAS the commands run on (runtime.py): 2.5x faster as a suite here than on
-# MLX's bundled one.
-runtime.load_blas()
 
-import mlx.core as mx  # noqa: E402  (after load_blas)
+# The tests run on the BLAS the commands run on (kernels/blas.py, set up as kernels is imported, before
+# MLX): 2.5x faster as a suite than on MLX's bundled one.
+import kernels  # noqa: E402, F401
+
+import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

@@ -28,12 +28,12 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
-from gpu_emulator import assemble_cuda
-
 import kernels
 import kernels.cuda
 from kernels import backends
+
+import mlx.core as mx
+from gpu_emulator import assemble_cuda
 
 CUDA_MAJOR = 13  # site-packages/nvidia/cu13 and mlx-cuda-13, the toolkit MLX's Linux wheels pair with
 # Where MLX's CUDA back-end starts the text of every custom kernel (custom_kernel.cpp, build_kernel).

@@ -1,10 +1,10 @@
 """Inputs on the edge cases of the kernels tests (exact pixels, edges, clip limits, outside,
 non-finite), and the comparison of a kernel back-end with the MLX-ops path on them."""
 
+import kernels
+
 import mlx.core as mx
 import numpy as np
-
-import kernels
 
 
 def pixel_coordinates(size, align_corners, pixels):

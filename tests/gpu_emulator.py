@@ -24,11 +24,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-
 import kernels.cuda
 import kernels.metal
+
+import mlx.core as mx
+import numpy as np
 
 SHIM = Path(__file__).parent / "gpu_shim"
 BUILD = Path(tempfile.mkdtemp(prefix="gpu_shim_"))

@@ -1,12 +1,12 @@
 """`kernels.linear_assignment` (batched Hungarian matching, a lazy MLX operation) against scipy's
 `linear_sum_assignment` on each image's block."""
 
+from kernels import assignment, linear_assignment, native
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
-
-from kernels import assignment, linear_assignment, native
 
 needs_native = pytest.mark.skipif(native.missing() is not None, reason=f"{native.missing()}")
 

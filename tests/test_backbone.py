@@ -3,11 +3,11 @@ as a product of the input (MLX's copies it twice first); the others as patches t
 whose gradients are products too (the input's through col2im): plain, strided (MLX's input gradient
 is ~50x slower there), dilated (MLX's takes its generic loop), the stem's 7 x 7."""
 
+from deformable_detr.models.backbone import Conv2d
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from deformable_detr.backbone import Conv2d
 
 
 @pytest.mark.parametrize(

@@ -5,12 +5,12 @@ the MLX-ops path draws with the same probabilities, bad input is refused."""
 
 import sys
 
+import kernels
+from kernels import native
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import kernels
-from kernels import native
 
 needs_native = pytest.mark.skipif(native.missing() is not None, reason=f"{native.missing()}")
 SIZE = 1 << 21

@@ -9,11 +9,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from deformable_detr.data.shapes import generate
+
 import pytest
 from test_train import ROOT, TINY
-
-from deformable_detr import runtime
-from deformable_detr.data.shapes import generate
 
 PYTHON = sys.executable
 TRAIN, EVAL = [PYTHON, str(ROOT / "train.py")], [PYTHON, str(ROOT / "eval.py")]
@@ -197,8 +196,7 @@ def results(tmp_path_factory):
     (tmp / "broken.png").write_bytes(b"not an image")
     (tmp / "broken.mp4").write_bytes(b"not a video")
     (tmp / "broken.yaml").write_text("model:\n  backbone: resnet18\n hidden_dim: 64\n")  # line 3 is off
-    # set up as the commands would be (runtime.py), so that they do not re-execute themselves
-    environment = runtime.runtime_environment({**os.environ, "PYTHONPATH": str(ROOT)})
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     environment |= {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp / "hf-cache")}  # an empty cache, offline
     environment.pop("DEFORMABLE_DETR_TRACEBACK", None)
 
@@ -226,7 +224,7 @@ def test_bad_input_is_one_line_and_its_exit_status(results, case_name):
 
 
 def test_the_traceback_is_there_when_asked_for(tmp_path):
-    environment = runtime.runtime_environment({**os.environ, "PYTHONPATH": str(ROOT), "DEFORMABLE_DETR_TRACEBACK": "1"})
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "DEFORMABLE_DETR_TRACEBACK": "1"}
     done = subprocess.run(
         [*EXPORT, "--to", "torch", str(tmp_path / "none.safetensors"), str(tmp_path / "out.pth")],
         capture_output=True,

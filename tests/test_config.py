@@ -1,12 +1,12 @@
 import dataclasses
 import re
 
+from deformable_detr import build_model, load_config
+from deformable_detr.config import CONFIGS_DIR, Config
+from deformable_detr.errors import UsageError
+
 import mlx.core as mx
 import pytest
-
-from deformable_detr import build_model, load_config
-from deformable_detr.cli import UsageError
-from deformable_detr.config import CONFIGS_DIR, Config
 
 AUTHORS = {  # file -> the flags of the authors' script on top of their main.py defaults
     "r50.yaml": {},

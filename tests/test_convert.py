@@ -4,14 +4,18 @@ ResNet weights; and a clear one-line error for each kind of bad checkpoint."""
 import argparse
 import os
 
+from deformable_detr import build_model, load_config
+from deformable_detr.config import model_overrides as overrides
+from deformable_detr.convert import main
+from deformable_detr.errors import ConversionError
+from deformable_detr.weights.authors import expected_shapes, sanitize
+from deformable_detr.weights.conversion import convert
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from reference_weights import state_dict
-
-from deformable_detr import build_model, load_config
-from deformable_detr.convert import ConversionError, convert, expected_shapes, main, overrides, sanitize
 
 torch = pytest.importorskip("torch", reason="reading .pth files needs PyTorch (the dev extra)")
 

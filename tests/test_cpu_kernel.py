@@ -4,13 +4,13 @@ threads; dispatch."""
 
 import itertools
 
+import kernels
+from kernels import backends, cpu
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from edge_cases import assert_same, ms_deform_attn_both_ways, ms_inputs, pixel_coordinates, shapes_for
-
-import kernels
-from kernels import backends, cpu
 
 pytestmark = pytest.mark.skipif(cpu.CPU.missing() is not None, reason=f"{cpu.CPU.missing()}")
 F32 = dict(rtol=1e-5, atol=1e-5)

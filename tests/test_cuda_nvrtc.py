@@ -11,6 +11,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import kernels.cuda
+from kernels import fused
+
 import mlx.core as mx
 import pytest
 from cuda_toolchain import (
@@ -26,9 +29,6 @@ from cuda_toolchain import (
     one_program,
     ptxas,
 )
-
-import kernels.cuda
-from kernels import fused
 
 attention = importlib.import_module("kernels.ms_deform_attn")  # the module; `kernels.ms_deform_attn` is the op
 sampling = importlib.import_module("kernels.grid_sample")

@@ -2,14 +2,14 @@
 
 import json
 
-import numpy as np
-import pytest
-from PIL import Image
-
 from deformable_detr import load_config
 from deformable_detr.data import BadImageError, CocoDetection, DataLoader, build_dataset
 from deformable_detr.data.shapes import generate
 from deformable_detr.data.transforms import crop, hflip, resize, resized_shape
+
+import numpy as np
+import pytest
+from PIL import Image
 
 
 @pytest.fixture(scope="module")

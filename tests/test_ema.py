@@ -5,16 +5,18 @@ export use (the average, or the trained weights with --raw-weights)."""
 import json
 import math
 
+from deformable_detr import build_model, load_config
+from deformable_detr.training.trainer import Trainer
+from deformable_detr.weights.files import read_weights
+from deformable_detr.weights.loading import load_trained_model
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from test_train import TINY, run, shapes, weights  # noqa: F401  (the fixture)
+from test_train import TINY, TINY_IMAGES, run, shapes, weights  # noqa: F401  (the fixture)
 
 import eval as eval_script
-from deformable_detr import build_model, load_config
-from deformable_detr.engine import Trainer
-from deformable_detr.weights import load_trained_model, read_weights
 
 EMA = ["train.ema_decay=0.9", "train.ema_warmup=3"]
 
@@ -22,7 +24,7 @@ EMA = ["train.ema_decay=0.9", "train.ema_warmup=3"]
 def test_the_average_follows_the_recurrence_with_its_warm_up():
     cfg = load_config(TINY, [*EMA, "model.dropout=0.0"])
     mx.random.seed(0)
-    trainer = Trainer.from_config(build_model(cfg), cfg)
+    trainer = Trainer.from_config(build_model(cfg), cfg, TINY_IMAGES)
     rng = np.random.default_rng(0)
     images, mask = rng.standard_normal((2, 64, 64, 3)).astype(np.float32), np.zeros((2, 64, 64), bool)
     targets = [{"labels": np.array([1, 3]), "boxes": np.full((2, 4), 0.3, np.float32)}] * 2
@@ -85,14 +87,14 @@ def test_export_takes_the_average(with_ema, tmp_path):
     torch = pytest.importorskip("torch", reason="writing .pth files needs PyTorch (the dev extra)")
     import argparse
 
-    from deformable_detr.export import export_torch
+    from deformable_detr.inference.detector import Detector
 
     checkpoint, _ = with_ema
     for flag, tensors in (
         (False, read_weights(checkpoint).tensors),
         (True, read_weights(checkpoint, raw=True).tensors),
     ):
-        export_torch(checkpoint, tmp_path / "out.pth", raw=flag)
+        Detector.load(checkpoint, raw_weights=flag).export("torch", tmp_path / "out.pth")
         with torch.serialization.safe_globals([argparse.Namespace]):
             state = torch.load(str(tmp_path / "out.pth"), weights_only=True)["model"]
         np.testing.assert_array_equal(state["class_embed.0.bias"].numpy(), np.array(tensors["class_embed.0.bias"]))

@@ -4,15 +4,16 @@ import contextlib
 import io
 import json
 
+from deformable_detr.data.shapes import generate
+from deformable_detr.inference.evaluation import PER_CLASS_NAMES, STAT_NAMES, coco_stats
+from deformable_detr.predict import main as predict_main
+
 import numpy as np
 import pytest
 from test_train import TINY
 
 import eval as eval_script
 import train
-from deformable_detr.data.shapes import generate
-from deformable_detr.evaluation import PER_CLASS_NAMES, STAT_NAMES, coco_stats
-from deformable_detr.predict import main as predict_main
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_per_class_ap_is_pycocotools_on_that_category_alone(trained, tmp_path):
 
 def test_the_best_checkpoint_is_the_evaluation_of_highest_ap(trained, tmp_path):
     """Its AP, evaluated again from the file, is the highest of the epochs' evaluations."""
-    from deformable_detr.weights import read_weights
+    from deformable_detr.weights.files import read_weights
 
     root, output = trained
     records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
@@ -193,7 +194,6 @@ def test_eval_and_predict_take_the_config_the_checkpoint_records(trained, tmp_pa
     )
     recorded = eval_script.main(["--checkpoint", checkpoint, "--output-dir", str(tmp_path / "b")])
     assert recorded == given
-    predict_main(
-        ["--checkpoint", checkpoint, "--output-dir", str(tmp_path / "p"), str(root / "val2017" / "000000000001.png")]
-    )
-    assert len(json.loads((tmp_path / "p" / "000000000001.json").read_text())) == 100
+    image = str(root / "val2017" / "000000000001.png")
+    predict_main(["--checkpoint", checkpoint, "--output-dir", str(tmp_path / "p"), "--threshold", "0", image])
+    assert len(json.loads((tmp_path / "p" / "000000000001.json").read_text())) == 100  # top 100 of 20 x 6

@@ -3,18 +3,20 @@ every key and value; training checkpoints carry their model options into `args`.
 
 import argparse
 
+from deformable_detr import build_model, load_config
+from deformable_detr.config import CONFIGS_DIR
+from deformable_detr.export import main
+from deformable_detr.inference.detector import Detector
+from deformable_detr.training.optimizer import build_optimizer
+from deformable_detr.weights.checkpoint import save_checkpoint
+from deformable_detr.weights.conversion import convert, save_converted
+from deformable_detr.weights.files import save_weights
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from reference_weights import VARIANTS, state_dict
-
-from deformable_detr import build_model, load_config
-from deformable_detr.config import CONFIGS_DIR
-from deformable_detr.convert import convert
-from deformable_detr.engine import build_optimizer
-from deformable_detr.export import export_torch, main
-from deformable_detr.weights import save_checkpoint, save_weights
 
 torch = pytest.importorskip("torch", reason="writing .pth files needs PyTorch (the dev extra)")
 
@@ -28,8 +30,8 @@ def load_pth(path):
 def test_convert_then_export_gives_back_every_key_and_value(variant, tmp_path):
     original = state_dict(variant)
     torch.save({"model": {k: torch.tensor(v) for k, v in original.items()}}, tmp_path / "authors.pth")
-    weights, _, _ = convert(tmp_path / "authors.pth")
-    save_weights(tmp_path / "port.safetensors", weights)
+    weights, options, _ = convert(tmp_path / "authors.pth")
+    save_converted(tmp_path / "port.safetensors", weights, options, tmp_path / "authors.pth")
     assert len(weights) < len(original)  # the tied copies were dropped
 
     main(["--to", "torch", str(tmp_path / "port.safetensors"), str(tmp_path / "exported.pth")])
@@ -53,7 +55,7 @@ def test_a_training_checkpoint_exports_with_its_model_options(tmp_path):
     model = build_model(cfg)
     progress = {"epoch": 1, "step": 2, "global_step": 3}
     save_checkpoint(tmp_path / "checkpoint.safetensors", model, build_optimizer(cfg), cfg, progress, {1: "thing"})
-    summary = export_torch(tmp_path / "checkpoint.safetensors", tmp_path / "exported.pth")
+    summary = Detector.load(tmp_path / "checkpoint.safetensors").export("torch", tmp_path / "exported.pth")
     assert summary.startswith("wrote ") and "in the authors' layout" in summary
 
     checkpoint = load_pth(tmp_path / "exported.pth")
@@ -83,4 +85,4 @@ def test_bad_inputs_are_named_and_nothing_is_written(tmp_path, capsys):
         assert str(exit_info.value).startswith(f"error: {tmp_path / name}: {message}")
         assert not (tmp_path / "out.pth").exists()
     with pytest.raises(FileNotFoundError, match="missing.safetensors: no such file"):
-        export_torch(tmp_path / "missing.safetensors", tmp_path / "out.pth")
+        Detector.load(tmp_path / "missing.safetensors")

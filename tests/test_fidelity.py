@@ -3,15 +3,15 @@ losses and gradients compared with theirs (fixtures/reference, produced by their
 
 from functools import cache
 
+from deformable_detr import build_criterion, build_model, load_config, post_process
+from deformable_detr.weights.authors import detect_variant, expected_shapes, sanitize
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from reference_weights import VARIANTS, manifest, reference, state_dict
-
-from deformable_detr import build_criterion, build_model, load_config, post_process
-from deformable_detr.convert import detect_variant, expected_shapes, sanitize
 
 # About 1e-4 relative, as the fixture's README says for float32 on a CPU.
 OUTPUT_TOLERANCE = dict(rtol=1e-4, atol=1e-4)

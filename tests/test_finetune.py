@@ -4,21 +4,24 @@ any step; category names travelling with converted and trained weights."""
 
 import json
 
+from deformable_detr import build_model, load_config
+from deformable_detr.convert import main as convert_main
+from deformable_detr.data import COCO_CATEGORY_NAMES, build_dataset
+from deformable_detr.data.shapes import CATEGORIES, generate
+from deformable_detr.inference.evaluation import name_mismatches
+from deformable_detr.predict import main as predict_main
+from deformable_detr.training.optimizer import build_optimizer
+from deformable_detr.weights.checkpoint import save_checkpoint
+from deformable_detr.weights.files import read_weights
+from deformable_detr.weights.loading import load_for_finetuning
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from test_train import TINY
 
-import eval as eval_script
 import train
-from deformable_detr import build_model, load_config
-from deformable_detr.convert import main as convert_main
-from deformable_detr.data import COCO_CATEGORY_NAMES, build_dataset
-from deformable_detr.data.shapes import CATEGORIES, generate
-from deformable_detr.engine import build_optimizer
-from deformable_detr.predict import main as predict_main
-from deformable_detr.weights import load_for_finetuning, read_weights, save_checkpoint
 
 SMALL = dict(height=(64, 64), width=(64, 64), max_size=40)
 TWO_STAGE = ["model.with_box_refine=true", "model.two_stage=true"]  # three class heads, one for proposals
@@ -205,9 +208,9 @@ def test_predict_names_classes_from_converted_coco_weights(tmp_path, capsys):
 def test_eval_warns_when_the_weights_name_other_classes(new_set):
     dataset = build_dataset("val", load_config(TINY, [f"data.coco_path={new_set}"]).data)
     recorded = {i + 1: name for i, name in enumerate(CATEGORIES)}
-    messages = eval_script.name_mismatches(recorded, dataset)
+    messages = name_mismatches(recorded, dataset)
     assert (
         messages[0] == (f"category 1 is 'square' in the weights but 'circle' in {dataset.annotation_file}")
         and len(messages) == 4
     )
-    assert eval_script.name_mismatches({1: "Circle", 2: "square"}, dataset) == []
+    assert name_mismatches({1: "Circle", 2: "square"}, dataset) == []

@@ -6,6 +6,9 @@ the dispatch between back-ends."""
 import dataclasses
 import itertools
 
+import kernels
+from kernels import backends
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,9 +21,6 @@ from edge_cases import (
     shapes_for,
 )
 from gpu_emulator import CUDA, METAL
-
-import kernels
-from kernels import backends
 
 EMULATED = {"metal": METAL, "cuda": CUDA}
 F32 = dict(rtol=1e-5, atol=1e-5)

@@ -5,14 +5,16 @@ both ways: files of the installed transformers convert and match it, exports loa
 import json
 import shutil
 
+from deformable_detr import build_model, load_config
+from deformable_detr.config import model_overrides as overrides
+from deformable_detr.inference.detector import Detector
+from deformable_detr.predict import main as predict_main
+from deformable_detr.weights.conversion import convert
+from deformable_detr.weights.loading import load_for_finetuning, open_weights
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from deformable_detr import build_model, load_config
-from deformable_detr.convert import convert, overrides
-from deformable_detr.predict import main as predict_main
-from deformable_detr.weights import load_for_finetuning, read_weights
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (dev extra)")
 transformers = pytest.importorskip("transformers", reason="the Hugging Face reference (dev extra)")
@@ -81,7 +83,7 @@ def hub(tmp_path, monkeypatch):
 def test_a_hub_reference_is_converting_its_folder_once(hub, monkeypatch):
     repo, converted = hub
     weights, _, _ = convert(repo / "snapshots" / COMMIT)
-    from_hub = read_weights("hf://ORG/detr")
+    from_hub = open_weights("hf://ORG/detr")
     assert from_hub.path == converted / f"{COMMIT}.safetensors"
     assert from_hub.tensors.keys() == weights.keys()
     for key, value in weights.items():
@@ -89,15 +91,15 @@ def test_a_hub_reference_is_converting_its_folder_once(hub, monkeypatch):
     assert from_hub.class_names == {1: "cat", 2: "dog", 4: "bird", 5: "fish", 6: "frog"}  # id2label, less N/A
     assert from_hub.model_options["two_stage"] and from_hub.config_file == "r50_two_stage.yaml"
 
+    from deformable_detr.weights import hub as hub_module
+
     import huggingface_hub
 
-    import deformable_detr.convert
-
     with monkeypatch.context() as patched:
-        patched.setattr(deformable_detr.convert, "convert", lambda *a, **k: pytest.fail("converted twice"))
+        patched.setattr(hub_module, "convert", lambda *a, **k: pytest.fail("converted twice"))
         patched.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("asked the Hub twice"))
-        assert read_weights("hf://ORG/detr").path == from_hub.path  # kept, keyed by the snapshot
-    v1 = read_weights("hf://ORG/detr@v1")
+        assert open_weights("hf://ORG/detr").path == from_hub.path  # kept, keyed by the snapshot
+    v1 = open_weights("hf://ORG/detr@v1")
     assert v1.path == converted / f"{OTHER_COMMIT}.safetensors" and not v1.model_options["two_stage"]
 
 
@@ -106,7 +108,7 @@ def test_convert_takes_a_hub_reference(hub, tmp_path, capsys):
 
     convert_main(["hf://ORG/detr", str(tmp_path / "detr.safetensors")])
     assert "category names: the 5 of config.json's id2label (recorded in the file)" in capsys.readouterr().out
-    written, from_hub = read_weights(tmp_path / "detr.safetensors"), read_weights("hf://ORG/detr")
+    written, from_hub = open_weights(tmp_path / "detr.safetensors"), open_weights("hf://ORG/detr")
     assert written.tensors.keys() == from_hub.tensors.keys() and written.class_names == from_hub.class_names
     for key, value in written.tensors.items():
         np.testing.assert_array_equal(np.array(value), np.array(from_hub.tensors[key]), err_msg=key)
@@ -116,7 +118,8 @@ def test_predict_and_finetune_take_a_hub_reference_without_a_config(hub, tmp_pat
     from PIL import Image
 
     Image.new("RGB", (120, 90), "gray").save(tmp_path / "image.png")
-    predict_main(["--checkpoint", "hf://ORG/detr", "--output-dir", str(tmp_path / "out"), str(tmp_path / "image.png")])
+    argv = ["--checkpoint", "hf://ORG/detr", "--output-dir", str(tmp_path / "out"), "--threshold", "0"]
+    predict_main([*argv, str(tmp_path / "image.png")])
     records = json.loads((tmp_path / "out" / "image.json").read_text())
     named = {r["label"]: r["name"] for r in records}  # a random model: the unnamed ids 0 and 3 too, by number
     assert len(records) == 100 and named == {i: LABELS[i] if LABELS[i] != "N/A" else str(i) for i in named}
@@ -157,7 +160,7 @@ def test_a_download_cut_short_leaves_no_converted_file(hub):
     weights_file = repo / "snapshots" / COMMIT / "model.safetensors"
     weights_file.write_bytes(weights_file.read_bytes()[:5000])  # as a cut download would have left it
     with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
-        read_weights("hf://ORG/detr")
+        open_weights("hf://ORG/detr")
     assert not converted.exists() or not any(converted.iterdir())
 
 
@@ -186,21 +189,21 @@ def test_the_hubs_answers_in_one_line(hub, monkeypatch):
             huggingface_hub, "hf_hub_download", lambda *a, error=error, **k: (_ for _ in ()).throw(error)
         )
         with pytest.raises(OSError) as raised:
-            read_weights(reference)
+            open_weights(reference)
         assert str(raised.value).startswith(says) and "\n" not in str(raised.value)
 
 
 def test_the_bin_file_when_there_is_no_safetensors(hub):
     repo, _ = hub
     snapshot = repo / "snapshots" / COMMIT
-    weights = read_weights("hf://ORG/detr")
+    weights = open_weights("hf://ORG/detr")
     state = {
         k: v for k, v in transformers.DeformableDetrForObjectDetection.from_pretrained(snapshot).state_dict().items()
     }
     torch.save(state, snapshot / "pytorch_model.bin")
     (snapshot / "model.safetensors").unlink()
     shutil.rmtree(weights.path.parent)
-    from_bin = read_weights("hf://ORG/detr")
+    from_bin = open_weights("hf://ORG/detr")
     for key, value in weights.tensors.items():
         np.testing.assert_array_equal(np.array(from_bin.tensors[key]), np.array(value), err_msg=key)
 
@@ -208,10 +211,10 @@ def test_the_bin_file_when_there_is_no_safetensors(hub):
 def port_model(variant: str, tmp_path, width: int = 64):
     """This port's model of a variant with every weight moved off its initial value, saved as
     converted weights that record their category names and options."""
+    from deformable_detr.weights.conversion import save_converted
+
     from hf_reference import VARIANTS
     from mlx.utils import tree_flatten, tree_map
-
-    from deformable_detr.convert import save_converted
 
     refine, two_stage, levels = VARIANTS[variant]
     options = {"backbone": "resnet18", "backbone_width": width, "hidden_dim": 64, "nheads": 4, "enc_layers": 2}
@@ -250,11 +253,10 @@ def test_exported_to_huggingface_loads_in_transformers_with_our_outputs(variant,
 def test_the_hubs_timm_layout(tmp_path):
     """The SenseTime checkpoints' layout: the ResNet under timm's (= torchvision's) names, every other
     key as the transformers layout's; it converts back to the same weights."""
-    from deformable_detr.export import export_huggingface
-
     _, weights = port_model("refine+two_stage", tmp_path)
-    export_huggingface(tmp_path / "port.safetensors", tmp_path / "timm", backbone="timm")
-    export_huggingface(tmp_path / "port.safetensors", tmp_path / "own", backbone="transformers")
+    detector = Detector.load(tmp_path / "port.safetensors")
+    detector.export("huggingface", tmp_path / "timm", hf_backbone="timm")
+    detector.export("huggingface", tmp_path / "own", hf_backbone="transformers")
     from safetensors.numpy import load_file
 
     timm, own = load_file(tmp_path / "timm" / "model.safetensors"), load_file(tmp_path / "own" / "model.safetensors")
@@ -287,22 +289,19 @@ def test_the_hubs_timm_layout(tmp_path):
 def test_transformers_pipeline_runs_an_export(tmp_path):
     from PIL import Image
 
-    from deformable_detr.export import export_huggingface
-
     port_model("base", tmp_path, width=32)
-    export_huggingface(tmp_path / "port.safetensors", tmp_path / "hf", backbone="transformers")
+    Detector.load(tmp_path / "port.safetensors").export("huggingface", tmp_path / "hf", hf_backbone="transformers")
     detector = transformers.pipeline("object-detection", model=str(tmp_path / "hf"), threshold=0.0)
     found = detector(Image.new("RGB", (120, 90), "gray"))
     assert found and {d["label"] for d in found} <= set(LABELS.values()) and {"box", "score"} <= set(found[0])
 
 
 def test_export_refuses_what_the_layout_cannot_hold(tmp_path):
-    from deformable_detr.convert import ConversionError
-    from deformable_detr.export import export_huggingface
+    from deformable_detr.errors import ConversionError
 
     port_model("base", tmp_path, width=32)
     with pytest.raises(
         ConversionError, match="timm's resnet18 has width 64; export it with --hf-backbone transformers"
     ):
-        export_huggingface(tmp_path / "port.safetensors", tmp_path / "hf", backbone="timm")
+        Detector.load(tmp_path / "port.safetensors").export("huggingface", tmp_path / "hf", hf_backbone="timm")
     assert not (tmp_path / "hf").exists()

@@ -4,15 +4,15 @@ inside the function it traces, so a loss-and-gradient function that compiles has
 the losses and gradients of the step as it was before, with scipy's matching and the MLX-ops
 attention (both synchronise)."""
 
+from deformable_detr import build_model, load_config
+from deformable_detr.training.trainer import Trainer
+from kernels import native
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from test_train import TINY
-
-from deformable_detr import build_model, load_config
-from deformable_detr.engine import Trainer
-from kernels import native
+from test_train import TINY, TINY_IMAGES
 
 pytestmark = pytest.mark.skipif(native.missing() is not None, reason=f"{native.missing()}")
 
@@ -37,7 +37,7 @@ def loss_and_grad(*overrides):
     cfg = load_config(TINY, ["model.dropout=0.0", "model.two_stage=true", "model.with_box_refine=true", *overrides])
     mx.random.seed(0)
     model = build_model(cfg)
-    trainer = Trainer.from_config(model, cfg)
+    trainer = Trainer.from_config(model, cfg, TINY_IMAGES)
     images, mask, targets = batch()
     return lambda images, mask: trainer.loss_and_grad(images, mask, targets, 4.0), (images, mask)
 

@@ -5,19 +5,21 @@ estimate exceeds train.memory_limit_gb."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
+
+from deformable_detr import build_model, load_config
+from deformable_detr.data import build_dataset
+from deformable_detr.data.transforms import make_transforms
+from deformable_detr.training.memory_plan import estimate_step_memory, largest_batch, largest_image, probe_peak
+from deformable_detr.training.optimizer import build_optimizer
+from deformable_detr.training.trainer import Trainer
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from PIL import Image
-from test_train import ROOT, TINY, run, shapes  # noqa: F401  (the fixture)
-
-from deformable_detr import build_model, load_config
-from deformable_detr.data import build_dataset
-from deformable_detr.data.transforms import make_transforms
-from deformable_detr.engine import Trainer, build_optimizer
-from deformable_detr.memory import estimate_step_memory, largest_batch, largest_image, probe_peak
+from test_train import ROOT, TINY, TINY_IMAGES, run, shapes  # noqa: F401  (the fixture)
 
 
 @pytest.mark.parametrize("width,height", [(640, 480), (333, 500)])
@@ -47,7 +49,7 @@ def test_estimate_from_probes_is_close_to_the_measured_peak(monkeypatch):
     mx.random.seed(0)
     model = build_model(cfg)
     model.train()
-    trainer = Trainer.from_config(model, cfg)
+    trainer = Trainer.from_config(model, cfg, TINY_IMAGES)
     trainer.optimizer.init(model.trainable_parameters())  # so the estimate is of the step alone
     estimate = estimate_step_memory(trainer, 2, 256, 320, cfg.model.num_classes)
     measured = probe_peak(trainer.loss_and_grad, 2, 256, 320, cfg.model.num_classes)
@@ -58,7 +60,7 @@ def test_estimate_from_probes_is_close_to_the_measured_peak(monkeypatch):
     # Before AdamW's state exists the estimate adds the two moments and the new weights. The same
     # probes are replayed: a probe's peak moves by a few MiB from run to run (how far MLX's CPU
     # worker lags the dispatch), and the extrapolation triples that.
-    from deformable_detr import memory
+    from deformable_detr.training import memory_plan as memory
 
     replayed = iter(peak for _, peak in estimate.probes)
     monkeypatch.setattr(memory, "probe_peak", lambda *args: next(replayed))
@@ -73,7 +75,7 @@ def test_the_peak_grows_by_the_same_amount_with_every_image():
     4 within 10% of a measured step of 4."""
     cfg = load_config(TINY, ["optimizer.lr_backbone=1e-5", "optimizer.freeze_stem_and_layer1=false"])
     mx.random.seed(0)
-    trainer = Trainer.from_config(build_model(cfg), cfg)
+    trainer = Trainer.from_config(build_model(cfg), cfg, TINY_IMAGES)
     trainer.optimizer.init(trainer.model.trainable_parameters())
     # each the smaller of two runs: a run's peak can be some MiB higher (how far MLX's CPU worker
     # lags the dispatch, never lower), and one + 3 * (two - one) multiplies the estimates' errors
@@ -89,7 +91,7 @@ def test_the_peak_grows_by_the_same_amount_with_every_image():
 @pytest.mark.parametrize("limit_gb, chosen", [(100.0, 8), (2.6, 4), (1.6, 2), (1.2, 1)])
 def test_auto_takes_the_largest_micro_batch_that_divides_the_share_and_fits(shapes, monkeypatch, limit_gb, chosen):  # noqa: F811
     """With estimates of 1 GiB for one image and 0.5 GiB more for each other one, a share of 8."""
-    from deformable_detr import memory
+    from deformable_detr.training import memory_plan as memory
 
     monkeypatch.setattr(
         memory, "estimate_step_memory", lambda t, b, h, w, n: memory.Estimate((0.5 + 0.5 * b) * memory.GIB, b, h, w, [])
@@ -98,12 +100,12 @@ def test_auto_takes_the_largest_micro_batch_that_divides_the_share_and_fits(shap
     cfg = load_config(
         TINY, [f"data.coco_path={shapes}", "schedule.micro_batch_size=auto", f"train.memory_limit_gb={limit_gb}"]
     )
-    micro, estimate = memory.check_memory(None, build_dataset("train", cfg.data), cfg, share=8)
-    assert micro == chosen and estimate.peak_bytes == (0.5 + 0.5 * chosen) * memory.GIB
+    estimate = memory.plan_micro_batch(SimpleNamespace(cfg=cfg), build_dataset("train", cfg.data).image_sizes(), 8)
+    assert cfg.schedule.micro_batch_size == chosen and estimate.peak_bytes == (0.5 + 0.5 * chosen) * memory.GIB
 
 
 def test_auto_that_cannot_fit_one_image_stops_naming_it(shapes, monkeypatch):  # noqa: F811
-    from deformable_detr import memory
+    from deformable_detr.training import memory_plan as memory
 
     monkeypatch.setattr(
         memory, "estimate_step_memory", lambda t, b, h, w, n: memory.Estimate(b * memory.GIB, b, h, w, [])
@@ -111,7 +113,7 @@ def test_auto_that_cannot_fit_one_image_stops_naming_it(shapes, monkeypatch):  #
     monkeypatch.setattr(memory, "_accumulator", lambda trainer, micro_batches: 0)
     cfg = load_config(TINY, [f"data.coco_path={shapes}", "schedule.micro_batch_size=auto", "train.memory_limit_gb=0.5"])
     with pytest.raises(memory.MemoryBudgetError, match=r"1\.0 GiB for a micro-batch of 1 x 64 x 64 px.*0\.5 GiB"):
-        memory.check_memory(None, build_dataset("train", cfg.data), cfg, share=8)
+        memory.plan_micro_batch(SimpleNamespace(cfg=cfg), build_dataset("train", cfg.data).image_sizes(), 8)
 
 
 def test_a_budget_too_small_stops_before_any_step(shapes, tmp_path):  # noqa: F811
@@ -123,7 +125,7 @@ def test_a_budget_too_small_stops_before_any_step(shapes, tmp_path):  # noqa: F8
     assert done.returncode == 1, done.stderr[-2000:]
     message = done.stderr.strip().splitlines()[-1]
     assert message.startswith("error: a training step of the largest micro-batch the data can produce would need")
-    assert "for a micro-batch of 2 x 64 x 64 px" in message
+    assert "for a micro-batch of 1 x 64 x 64 px" in message  # auto: not even one image fits
     assert "over the memory budget of 0.0 GiB (train.memory_limit_gb)" in message
     assert "lower schedule.micro_batch_size, data.scales / data.max_size" in message
     assert "train.activation_checkpointing" in message
@@ -135,7 +137,6 @@ def test_an_allocation_failure_in_a_step_stops_with_the_advice_and_keeps_the_che
     """Metal raises "[malloc] Unable to allocate" when a step does not fit: the run ends with the
     advice and leaves the last checkpoint as it was (simulated here: the CPU back-end cannot raise it)."""
     import train
-    from deformable_detr import engine
 
     checkpoint = run(shapes, tmp_path, "train.max_steps=2")
     before = checkpoint.read_bytes()
@@ -143,7 +144,7 @@ def test_an_allocation_failure_in_a_step_stops_with_the_advice_and_keeps_the_che
     def fails(self, micro_batches):
         raise RuntimeError("[malloc] Unable to allocate 123456789 bytes.")
 
-    monkeypatch.setattr(engine.Trainer, "step", fails)
+    monkeypatch.setattr(Trainer, "step", fails)
     with pytest.raises(SystemExit) as stopped:
         train.main(
             [
@@ -164,7 +165,7 @@ def test_an_allocation_failure_in_a_step_stops_with_the_advice_and_keeps_the_che
 
 
 def test_the_advice_names_checkpointing_only_where_it_is_off():
-    from deformable_detr.memory import advice
+    from deformable_detr.training.memory_plan import advice
 
     assert "turn on train.activation_checkpointing" in advice(False)
     assert "activation_checkpointing" not in advice(True) and "lower schedule.micro_batch_size" in advice(True)
@@ -173,27 +174,29 @@ def test_the_advice_names_checkpointing_only_where_it_is_off():
 def test_checkpointing_auto_is_on_only_where_a_step_would_not_fit_without_it(monkeypatch):
     """The choice, with the micro-batch check's answers given (its estimates are tested above): off
     where a step without recomputation fits, on where only a step with it does, an error otherwise."""
-    import deformable_detr.memory as memory
+    import deformable_detr.training.memory_plan as memory
 
     peaks = {False: 10 * memory.GIB, True: 4 * memory.GIB}  # a step's peak without and with recomputation
 
-    def micro_batch_check(trainer, dataset, cfg, share, log=None):
+    def micro_batch_plan(trainer, image_sizes, share, log=None):
+        cfg = trainer.cfg
         peak = peaks[trainer.model.transformer.encoder.activation_checkpointing]
         assert cfg.train.activation_checkpointing is trainer.model.backbone[0].body.activation_checkpointing
         if peak > memory.budget_bytes(cfg.train):
             raise memory.MemoryBudgetError(f"over the memory budget ({peak / memory.GIB:.0f} GiB)")
-        return 2, memory.Estimate(peak, 2, 800, 1066, [])
+        cfg.schedule.micro_batch_size = 2
+        return memory.Estimate(peak, 2, 800, 1066, [])
 
-    monkeypatch.setattr(memory, "check_micro_batch", micro_batch_check)
+    monkeypatch.setattr(memory, "plan_micro_batch", micro_batch_plan)
 
     def chosen(limit_gb):
         cfg = load_config(TINY, ["train.activation_checkpointing=auto", f"train.memory_limit_gb={limit_gb}"])
         model = build_model(cfg)
-        assert model.transformer.encoder.activation_checkpointing is False  # until the check decides
+        assert model.transformer.encoder.activation_checkpointing is False  # until the plan decides
         said = []
-        _, estimate = memory.check_memory(Trainer.from_config(model, cfg), None, cfg, 2, log=said.append)
+        trainer = Trainer.from_config(model, cfg, TINY_IMAGES, log=said.append)  # the plan is made here
         assert model.transformer.decoder.activation_checkpointing is cfg.train.activation_checkpointing
-        return cfg.train.activation_checkpointing, estimate.peak_bytes / memory.GIB, said[-1]
+        return cfg.train.activation_checkpointing, trainer.memory_estimate.peak_bytes / memory.GIB, said[-1]
 
     assert chosen(12) == (False, 10, "memory: train.activation_checkpointing auto -> false (a step without it fits)")
     assert chosen(6) == (

@@ -1,11 +1,11 @@
 import itertools
 
+import kernels
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import DTYPES, TOLERANCE, directional_check, to_mx, to_np
-
-import kernels
 
 torch_reference = pytest.importorskip("torch_reference", reason="PyTorch (the dev extra) is the reference")
 

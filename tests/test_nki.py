@@ -8,14 +8,14 @@ import itertools
 import sys
 from contextlib import contextmanager
 
+import kernels
+
 import mlx.core as mx
 import nki_standin
 import numpy as np
 import pytest
 from conftest import to_mx
 from edge_cases import ms_inputs, shapes_for
-
-import kernels
 
 KERNEL_MODULES = ("kernels.nki.ms_deform_attn", "kernels.nki.torch_op")
 F32 = dict(rtol=1e-5, atol=1e-5)

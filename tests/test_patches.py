@@ -4,13 +4,13 @@ its gradient (col2im) against float64, threads, bad input."""
 
 import sys
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 import kernels
 from kernels import native
 from kernels.patches import _by_slices
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 needs_native = pytest.mark.skipif(native.missing() is not None, reason=f"{native.missing()}")
 GEOMETRIES = [(3, 1, 1, 1), (3, 2, 1, 1), (3, 1, 2, 2), (7, 2, 3, 1), (1, 1, 0, 1), (3, 3, 0, 1), (3, 1, 0, 2)]

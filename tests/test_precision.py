@@ -2,16 +2,16 @@
 first step's losses within 1%, the gradients pointing the same way; the weights and AdamW's state
 stay float32; the attention's values are bfloat16 and its sampling locations float32."""
 
+from deformable_detr import build_model, load_config
+from deformable_detr.models import ms_deform_attn as attention_module
+from deformable_detr.training.trainer import Trainer
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from test_lazy_step import batch
-from test_train import TINY
-
-from deformable_detr import build_model, load_config
-from deformable_detr import ms_deform_attn as attention_module
-from deformable_detr.engine import Trainer
+from test_train import TINY, TINY_IMAGES
 
 
 def first_step(precision, monkeypatch):
@@ -27,7 +27,7 @@ def first_step(precision, monkeypatch):
         ],
     )
     mx.random.seed(0)
-    trainer = Trainer.from_config(build_model(cfg), cfg)
+    trainer = Trainer.from_config(build_model(cfg), cfg, TINY_IMAGES)
     captured = {}
     update = Trainer._update
 

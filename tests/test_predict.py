@@ -4,18 +4,18 @@ against Hugging Face's PyTorch model seen through forward hooks), many images, v
 import json
 from pathlib import Path
 
+from deformable_detr import build_model, load_config
+from deformable_detr.data.loader import collate
+from deformable_detr.data.transforms import normalize, resize
+from deformable_detr.inference.attention_points import recording
+from deformable_detr.predict import main as predict_main
+
 import mlx.core as mx
 import numpy as np
 import pytest
 import yaml
 from mlx.utils import tree_flatten
 from PIL import Image, ImageDraw
-
-from deformable_detr import build_model, load_config
-from deformable_detr.attention_points import recording
-from deformable_detr.data.loader import collate
-from deformable_detr.data.transforms import normalize, resize
-from deformable_detr.predict import main as predict_main
 
 TINY = Path(__file__).parent / "fixtures" / "tiny.yaml"
 
@@ -38,15 +38,15 @@ def huggingface(request, tmp_path_factory):
     """A random Hugging Face Deformable DETR, its weights converted, a config for predict, two images."""
     pytest.importorskip("torch", reason="the PyTorch reference (dev extra)")
     pytest.importorskip("transformers", reason="the Hugging Face reference (dev extra)")
-    from hf_reference import huggingface_model
-
     from deformable_detr.convert import main as convert_main
+
+    from hf_reference import huggingface_model
 
     tmp = tmp_path_factory.mktemp(request.param)
     hf = huggingface_model(request.param)  # offsets and weights far from their initialisation: the points spread
     hf.save_pretrained(tmp / "hf")
     convert_main([str(tmp / "hf"), str(tmp / "weights.safetensors")])
-    from deformable_detr.convert import convert
+    from deformable_detr.weights.conversion import convert
 
     _, options, _ = convert(tmp / "hf")
     (tmp / "config.yaml").write_text(yaml.safe_dump({"model": {**options, "dropout": 0.0}, "data": DATA}))

@@ -4,15 +4,16 @@ recomputation draws the same masks)."""
 
 from contextlib import contextmanager
 
+from deformable_detr import build_model, load_config
+from deformable_detr.models import recompute
+from deformable_detr.training.trainer import Trainer
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from test_lazy_step import batch
-from test_train import TINY
-
-from deformable_detr import build_model, load_config, recompute
-from deformable_detr.engine import Trainer
+from test_train import TINY, TINY_IMAGES
 
 
 def gradients(activation_checkpointing: bool, step_seed: int = 0, backbone_trains: bool = True):
@@ -30,7 +31,7 @@ def gradients(activation_checkpointing: bool, step_seed: int = 0, backbone_train
     mx.random.seed(0)
     model = build_model(cfg)
     model.train()
-    trainer = Trainer.from_config(model, cfg)
+    trainer = Trainer.from_config(model, cfg, TINY_IMAGES)
     images, mask, targets = batch()
     mx.random.seed(step_seed)
     (total, _), grads = trainer.loss_and_grad(images, mask, targets, 4.0)

@@ -1,59 +1,113 @@
-"""The run-time set-up: a command run as a program re-executes itself once with the BLAS preloaded and
-the malloc thresholds set; imported, it does not; the tests' own process has the BLAS loaded for MLX,
-and MLX's matrix products reach OpenBLAS through kernels' libopenblas_cblas.so with every argument."""
+"""The process's set-up when the package is imported: in a fresh process, importing deformable_detr or
+kernels before MLX gives MLX the chosen BLAS (kernels/blas.py), importing MLX first leaves it on its
+bundled BLAS with one warning naming it and the fix; glibc keeps freed memory for reuse
+(deformable_detr/runtime.py); and MLX's matrix products reach OpenBLAS through kernels'
+libopenblas_cblas.so with every argument."""
 
 import ctypes
 import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+
+from kernels import blas
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from deformable_detr import runtime
-
 linux = pytest.mark.skipif(sys.platform != "linux", reason="the set-up is Linux's: elsewhere MLX has its own BLAS")
 openblas = pytest.mark.skipif(
-    not runtime.openblas_libraries(),
+    not blas.openblas_libraries(),
     reason="scipy-openblas32 or kernels' libopenblas_cblas.so is not installed (Linux x86-64 only, "
     "built with the C++ extension)",
 )
+ROOT = Path(__file__).resolve().parents[1]
 
+# -> the BLAS MLX runs, the warnings, and the page faults of a second 64 MiB buffer (the first freed)
 PROGRAM = """
-import os
-from deformable_detr.cli import entry_point
+import ctypes, resource, sys, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    {imports}
+    import kernels, mlx.core as mx
+    mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 
-@entry_point
-def main(argv=None):
-    names = ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "OPENBLAS_THREAD_TIMEOUT")
-    print(*(os.environ.get(name, "") for name in names), sep="|")
+def touched(size=2**26):  # malloc'ed, written, freed (as MLX does an activation)
+    buffer = libc.malloc(size); ctypes.memset(buffer, 1, size); libc.free(buffer)
 
-main()
+touched()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+touched()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+print(kernels.blas.in_use(), len(caught), faults, sep="|")
+for warning in caught:
+    print(warning.category.__name__, warning.message, sep=": ")
 """
 
 
-def run_program(**settings):
+def run_program(imports: str, **settings) -> tuple[str, int, int, list[str]]:
     environment = {
-        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_THREAD_TIMEOUT", *runtime.MALLOC)
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
     }
-    environment.pop("DEFORMABLE_DETR_BLAS", None)
-    return subprocess.run(
-        [sys.executable, "-c", PROGRAM], capture_output=True, text=True, env={**environment, **settings}
+    environment["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM.format(imports=imports)],
+        capture_output=True,
+        text=True,
+        env={**environment, **settings},
+        cwd=ROOT,
     )
+    assert done.returncode == 0, done.stderr
+    head, *told = done.stdout.splitlines()
+    in_use, count, faults = head.split("|")
+    return in_use, int(count), int(faults), told
 
 
 @linux
+@pytest.mark.parametrize("first", ["import deformable_detr", "import kernels"])
 @pytest.mark.parametrize("choice", ["openblas", "mkl", "bundled"])
-def test_a_command_run_as_a_program_sets_up_its_process_once(choice):
-    done = run_program(DEFORMABLE_DETR_BLAS=choice)
-    assert done.returncode == 0, done.stderr
-    chosen = {"DEFORMABLE_DETR_BLAS": choice}
-    want = ":".join(str(library) for library in runtime.blas_libraries(chosen))
-    timeout = "4" if runtime.blas_choice(chosen) == "openblas" else ""  # OpenBLAS's idle threads sleep soon
-    assert done.stdout.splitlines() == [f"{want}|{16 * 2**30}|{timeout}"]  # main ran once, set up
+def test_importing_the_project_first_gives_mlx_the_chosen_blas(first, choice):
+    chosen = blas.choice({"DEFORMABLE_DETR_BLAS": choice})  # bundled where that one is not installed
+    in_use, count, _, told = run_program(first, DEFORMABLE_DETR_BLAS=choice)
+    assert (in_use, count) == (chosen, 0), told
+
+
+@linux
+def test_importing_mlx_first_warns_once_naming_the_blas_and_the_fix():
+    chosen = blas.choice({})  # the programs run without DEFORMABLE_DETR_BLAS
+    if chosen == "bundled":
+        pytest.skip("no faster BLAS is installed here: MLX's own is the choice, nothing to warn about")
+    in_use, count, _, told = run_program("import mlx.core\n    import deformable_detr")
+    assert (in_use, count) == ("bundled", 1)
+    assert told[0].startswith("RuntimeWarning: MLX was imported before kernels (or deformable_detr)")
+    assert f"bundled reference BLAS, 25-100x slower than {chosen}" in told[0]
+    preload = ":".join(str(library) for library in blas.libraries_of(chosen))
+    assert told[0].endswith(
+        f"import deformable_detr (or kernels) before mlx, or start Python with LD_PRELOAD={preload}"
+    )
+
+    # the fix it names works, and then nothing is said
+    in_use, count, _, told = run_program("import mlx.core\n    import deformable_detr", LD_PRELOAD=preload)
+    assert (in_use, count) == (chosen, 0), told
+
+
+@linux
+def test_glibc_keeps_freed_memory_once_the_package_is_imported():
+    """A 64 MiB buffer freed and made again: glibc maps a buffer that large anew each time (a page fault
+    per 4 KiB page: 16,384) unless told to keep freed memory in its heap, as importing the package does."""
+    _, _, plain, _ = run_program("import mlx.core")
+    _, _, kept, _ = run_program("import deformable_detr")
+    assert plain >= 16_000
+    assert kept < 1_000
+    _, _, users, _ = run_program("import deformable_detr", MALLOC_MMAP_THRESHOLD_="1048576")
+    assert users >= 16_000  # a user's own setting stays theirs
 
 
 def test_auto_is_mkl_on_intel_and_openblas_elsewhere(monkeypatch):
@@ -62,54 +116,49 @@ def test_auto_is_mkl_on_intel_and_openblas_elsewhere(monkeypatch):
         ("AuthenticAMD", ["openblas", "mkl"]),
         ("", ["openblas", "mkl"]),
     ]:
-        monkeypatch.setattr(runtime, "cpu_vendor", lambda vendor=vendor: vendor)
-        assert runtime.blas_preference({}) == want
-        assert runtime.blas_preference({"DEFORMABLE_DETR_BLAS": "auto"}) == want
-        assert runtime.blas_preference({"DEFORMABLE_DETR_BLAS": "mkl"}) == ["mkl"]
-        assert runtime.blas_preference({"DEFORMABLE_DETR_BLAS": "bundled"}) == []
+        monkeypatch.setattr(blas, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert blas.preference({}) == want
+        assert blas.preference({"DEFORMABLE_DETR_BLAS": "auto"}) == want
+        assert blas.preference({"DEFORMABLE_DETR_BLAS": "mkl"}) == ["mkl"]
+        assert blas.preference({"DEFORMABLE_DETR_BLAS": "bundled"}) == []
 
 
 @linux
 def test_auto_takes_the_other_blas_where_the_first_is_missing(monkeypatch):
-    monkeypatch.setattr(runtime, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(runtime, "openblas_libraries", list)
-    assert runtime.blas_choice({}) == ("mkl" if runtime.mkl_libraries() else "bundled")
-    assert runtime.blas_choice({"DEFORMABLE_DETR_BLAS": "openblas"}) == "bundled"  # asked for, not here
+    monkeypatch.setattr(blas, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(blas, "mkl_libraries", list)  # MKL is an extra: where it is not installed
+    assert blas.choice({}) == ("openblas" if blas.openblas_libraries() else "bundled")
+    assert blas.choice({"DEFORMABLE_DETR_BLAS": "mkl"}) == "bundled"  # asked for, not here
 
 
 @linux
-def test_a_wrong_choice_is_one_line():
-    done = run_program(DEFORMABLE_DETR_BLAS="atlas")
-    assert done.returncode == 1
-    assert done.stderr.strip() == "error: DEFORMABLE_DETR_BLAS='atlas': expected one of auto, openblas, mkl, bundled"
-
-
-def test_an_imported_command_leaves_the_process_as_it_is():
-    from deformable_detr.cli import entry_point
-
-    @entry_point
-    def main(argv=None):
-        return os.getpid()
-
-    assert main([]) == os.getpid()  # not re-executed: pytest goes on
+def test_a_wrong_choice_is_one_warning_and_auto():
+    in_use, count, _, told = run_program("import deformable_detr", DEFORMABLE_DETR_BLAS="atlas")
+    assert (in_use, count) == (blas.choice({}), 1)
+    assert told == [
+        "RuntimeWarning: DEFORMABLE_DETR_BLAS='atlas': expected one of auto, openblas, mkl, bundled; using auto"
+    ]
 
 
 @linux
 def test_the_tests_run_on_the_chosen_blas():
-    libraries = runtime.blas_libraries()
+    libraries = blas.libraries_of(blas.choice())
     if not libraries:
-        pytest.skip(f"{runtime.blas_choice()} is not installed here: the tests run on MLX's bundled BLAS")
+        pytest.skip(f"{blas.choice()} is not installed here: the tests run on MLX's bundled BLAS")
     maps = Path("/proc/self/maps").read_text()
     assert all(str(library.resolve()) in maps for library in libraries)
-    assert runtime.blas_in_use() == runtime.blas_choice()
+    assert blas.in_use() == blas.choice()
     with pytest.raises(RuntimeError, match="before the first import of mlx.core"):
-        runtime.load_blas()
+        blas.load()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        blas.set_up()  # MLX is loaded, on the chosen BLAS: nothing to say
 
 
 @openblas
 def test_mlx_products_go_through_the_preloaded_library(tmp_path):
     """OpenBLAS replaced by a stand-in whose sgemm writes 42 everywhere: MLX's matmul then gives 42s,
-    so its products do reach the library that runtime.py preloads."""
+    so its products do reach the library that kernels/blas.py loads."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler to build the stand-in OpenBLAS")
@@ -121,7 +170,7 @@ def test_mlx_products_go_through_the_preloaded_library(tmp_path):
     )
     stand_in = tmp_path / "libstand_in.so"
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(stand_in), str(source)], check=True)
-    shim = runtime.openblas_libraries()[1]
+    shim = blas.openblas_libraries()[1]
     environment = {**os.environ, "LD_PRELOAD": f"{stand_in}:{shim}"}
     program = "import mlx.core as mx; print(float((mx.ones((3, 4)) @ mx.ones((4, 5))).sum()))"
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=environment)
@@ -131,7 +180,9 @@ def test_mlx_products_go_through_the_preloaded_library(tmp_path):
 
 @openblas
 def test_the_shim_is_what_mlx_binds_to():
-    shim = ctypes.CDLL(str(runtime.openblas_libraries()[1]))
+    if blas.in_use() != "openblas":
+        pytest.skip(f"the tests run on {blas.in_use()} here: the shim is OpenBLAS's")
+    shim = ctypes.CDLL(str(blas.openblas_libraries()[1]))
     address = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
     assert address == ctypes.cast(shim.cblas_sgemm, ctypes.c_void_p).value
 
@@ -168,9 +219,9 @@ def test_matrix_products_with_every_layout_and_scale(dtype):
 
 @openblas
 def test_the_description_names_the_kernels_openblas_runs():
-    if runtime.blas_in_use() != "openblas":
-        pytest.skip(f"the tests run on {runtime.blas_in_use()} here")
-    description = runtime.blas_description()
+    if blas.in_use() != "openblas":
+        pytest.skip(f"the tests run on {blas.in_use()} here")
+    description = blas.description()
     assert description.startswith("openblas (") and description.endswith(" kernels)")
     told = os.environ.get("OPENBLAS_CORETYPE")  # some machines set it; OpenBLAS then runs those kernels
     if told:

@@ -6,15 +6,15 @@ path. The kernels run on the CPU through the GPU emulator (tests/gpu_emulator.py
 import dataclasses
 import warnings
 
+import kernels
+from kernels import backends, selfcheck
+from kernels.selfcheck import KernelSelfCheckWarning
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from edge_cases import ms_inputs, shapes_for
 from gpu_emulator import METAL
-
-import kernels
-from kernels import backends, selfcheck
-from kernels.selfcheck import KernelSelfCheckWarning
 
 
 @pytest.fixture(autouse=True)

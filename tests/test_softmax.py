@@ -4,12 +4,12 @@ rows; threads; lazy and compiled; other dtypes."""
 
 import sys
 
+import kernels
+from kernels import native
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import kernels
-from kernels import native
 
 pytestmark = pytest.mark.skipif(native.missing() is not None, reason=f"{native.missing()}")
 

@@ -12,16 +12,17 @@ import subprocess
 import sys
 import time
 
+from deformable_detr import load_config
+from deformable_detr.data import DataLoader, build_dataset
+from deformable_detr.data.shapes import generate
+from deformable_detr.training.trainer import Trainer
+from deformable_detr.weights.files import read_weights
+
 import mlx.core as mx
 import pytest
 from test_train import ROOT, TINY
 
 import train
-from deformable_detr import load_config
-from deformable_detr.data import DataLoader, build_dataset
-from deformable_detr.data.shapes import generate
-from deformable_detr.engine import Trainer
-from deformable_detr.weights import read_weights
 
 # 40 images: 20 batches of 2 per epoch, more than the loader prefetches, so its threads are busy
 # when a stop comes mid-epoch.
@@ -227,7 +228,7 @@ def test_any_other_exception_is_one_line_with_the_traceback_in_the_log(shapes, t
     output = tmp_path / "run"
     script = (
         "import sys, train\n"
-        "from deformable_detr.engine import Trainer\n"
+        "from deformable_detr.training.trainer import Trainer\n"
         "from test_stops import failing_at_step\n"
         "def fail(losses): raise ZeroDivisionError('something went wrong')\n"
         "Trainer.step = failing_at_step(3, fail)\n"

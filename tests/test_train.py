@@ -7,16 +7,19 @@ import sys
 import types
 from pathlib import Path
 
+from deformable_detr.data.shapes import generate
+from deformable_detr.training.optimizer import set_epoch_learning_rates
+from deformable_detr.training.trainer import Trainer
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import train
-from deformable_detr import engine
-from deformable_detr.data.shapes import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "tiny.yaml"
+TINY_IMAGES = [(80, 64)]  # (width, height) of the tests' synthetic batches: the trainer's memory plan
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,7 @@ def test_zero_sampling_offsets_gradient_stops_the_first_step(shapes, tmp_path, m
     """Reproduce the failure the check exists for: locations cut from the graph (what a gather-based
     sampler without a grid gradient amounts to)."""
     import kernels
-    from deformable_detr import ms_deform_attn as module
+    from deformable_detr.models import ms_deform_attn as module
 
     def blind(value, shapes_, start, locations, weights, **kwargs):
         return kernels.ms_deform_attn(value, shapes_, start, mx.stop_gradient(locations), weights, **kwargs)
@@ -146,13 +149,14 @@ def test_two_processes_and_two_micro_batches_equal_one_batch(shapes, tmp_path):
 def test_parameter_groups_frozen_layers_and_lr_drop():
     """The authors' recipe: backbone at lr_backbone (stem and layer1 frozen), sampling_offsets and
     reference_points at lr x 0.1, the rest at lr; every rate x 0.1 from epoch lr_drop on."""
-    from mlx.utils import tree_flatten
-
     from deformable_detr import build_model, load_config
 
-    cfg = load_config(None, ["model.backbone=resnet18", "model.enc_layers=1", "model.dec_layers=1"])
+    from mlx.utils import tree_flatten
+
+    small = ["data.scales=[64]", "data.max_size=64", "data.crop_resize=[64]", "schedule.batch_size=2"]  # a quick plan
+    cfg = load_config(None, ["model.backbone=resnet18", "model.enc_layers=1", "model.dec_layers=1", *small])
     model = build_model(cfg)
-    optimizer = engine.Trainer.from_config(model, cfg).optimizer
+    optimizer = Trainer.from_config(model, cfg, TINY_IMAGES).optimizer
     trainable = dict(tree_flatten(model.trainable_parameters()))
     assert not any(k.startswith(("backbone.0.body.conv1", "backbone.0.body.layer1")) for k in trainable)
     assert not any(k.endswith(("running_mean", "running_var")) or ".bn" in k for k in trainable)  # frozen BN
@@ -170,7 +174,7 @@ def test_parameter_groups_frozen_layers_and_lr_drop():
     }
     assert "transformer.level_embed" in dict(tree_flatten(groups[2]))
     for epoch, factor in [(0, 1.0), (39, 1.0), (40, 0.1)]:
-        engine.set_epoch_learning_rates(optimizer, cfg, epoch)
+        set_epoch_learning_rates(optimizer, cfg, epoch)
         rates = [o.learning_rate.item() for o in optimizer.optimizers]
         np.testing.assert_allclose(rates, [2e-5 * factor, 2e-5 * factor, 2e-4 * factor], rtol=1e-6)
 
@@ -189,15 +193,15 @@ def test_accumulated_gradients_equal_the_whole_batch(monkeypatch):
     """The trainer's step over micro-batches of 2 and of 1 against one of 4: the losses and every
     gradient (images of one size, targets with different numbers of boxes, so that normalising each
     micro-batch by its own boxes would show)."""
-    from mlx.utils import tree_flatten
-
     from deformable_detr import build_model, load_config
+
+    from mlx.utils import tree_flatten
 
     cfg = load_config(
         TINY, ["model.dropout=0.0", "optimizer.lr_backbone=1e-5", "optimizer.freeze_stem_and_layer1=false"]
     )
     mx.random.seed(0)
-    trainer = engine.Trainer.from_config(build_model(cfg), cfg)
+    trainer = Trainer.from_config(build_model(cfg), cfg, TINY_IMAGES)
     rng = np.random.default_rng(0)
     images = rng.standard_normal((4, 64, 64, 3)).astype(np.float32)
     mask = np.zeros((4, 64, 64), bool)
@@ -206,7 +210,7 @@ def test_accumulated_gradients_equal_the_whole_batch(monkeypatch):
         for n in (1, 4, 2, 3)
     ]
     captured = []
-    monkeypatch.setattr(engine.Trainer, "_update", lambda self, grads, total, losses: captured.append((grads, losses)))
+    monkeypatch.setattr(Trainer, "_update", lambda self, grads, total, losses: captured.append((grads, losses)))
 
     def step(size):
         trainer.step([(images[i : i + size], mask[i : i + size], targets[i : i + size]) for i in range(0, 4, size)])
@@ -224,3 +228,27 @@ def test_accumulated_gradients_equal_the_whole_batch(monkeypatch):
             np.testing.assert_allclose(
                 np.array(grads[key]), np.array(want), atol=1e-5 * scale, err_msg=f"{size}: {key}"
             )
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda path: path.stem)
+def test_the_batch_alone_can_be_overridden_in_every_shipped_config(config):
+    """No shipped config pins a micro-batch that a smaller batch cannot take: it follows the share."""
+    from deformable_detr import load_config
+    from deformable_detr.training.trainer import process_share
+
+    for batch in (1, 2, 6):
+        cfg = load_config(config, [f"schedule.batch_size={batch}"])
+        assert cfg.schedule.micro_batch_size == "auto"
+        assert process_share(cfg, 1) == batch
+
+
+def test_the_quick_starts_config_trains_on_a_batch_of_2(shapes, tmp_path, capsys):
+    """`schedule.batch_size=2` alone: the memory plan makes the micro-batch the whole share, 2, and the
+    checkpoint's config records it."""
+    from deformable_detr.weights.files import read_weights
+
+    argv = ["--config", str(ROOT / "configs" / "shapes.yaml"), "--output-dir", str(tmp_path)]
+    train.main([*argv, f"data.coco_path={shapes}", "schedule.batch_size=2", "train.max_steps=1", "train.eval_every=0"])
+    assert "2 images a step: 1 process(es) x 1 of 2" in capsys.readouterr().out
+    saved = read_weights(tmp_path / "checkpoint.safetensors")
+    assert saved.progress["global_step"] == 1 and saved.config["schedule"]["micro_batch_size"] == 2

@@ -1,6 +1,8 @@
 """The two user reports behind the kernels: `sampling_offsets` must learn, and gradient descent
 started at an integer translation must move."""
 
+from deformable_detr import MSDeformAttn
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -8,7 +10,6 @@ import pytest
 from conftest import to_mx
 from mlx.utils import tree_flatten
 
-from deformable_detr import MSDeformAttn
 from examples.registration import SIZE, register, sample_grid
 
 torch = pytest.importorskip("torch", reason="PyTorch (the dev extra) is the reference")

@@ -5,15 +5,17 @@ reader: a checkpoint's model tensors come back under their parameter names."""
 import os
 from pathlib import Path
 
+from deformable_detr import build_model, load_config
+from deformable_detr.training.optimizer import build_optimizer
+from deformable_detr.weights.checkpoint import save_checkpoint
+from deformable_detr.weights.files import atomic_write, read_weights, save_weights
+from deformable_detr.weights.loading import load_trained_model
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from test_train import TINY
-
-from deformable_detr import build_model, load_config
-from deformable_detr.engine import build_optimizer
-from deformable_detr.weights import atomic_write, load_trained_model, read_weights, save_checkpoint, save_weights
 
 
 def test_a_write_cut_short_leaves_the_previous_file_and_no_temporary(tmp_path):

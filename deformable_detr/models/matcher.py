@@ -1,10 +1,10 @@
 """Hungarian matching of predictions to targets, as the authors' `models/matcher.py`, computed as a
 lazy MLX operation (`kernels.linear_assignment`) so that the loss needs no host synchronisation."""
 
+from kernels import linear_assignment
+
 import mlx.core as mx
 import numpy as np
-
-from kernels import linear_assignment
 
 from .box_ops import box_cxcywh_to_xyxy, generalized_box_iou
 

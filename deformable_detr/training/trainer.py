@@ -1,62 +1,26 @@
-"""The trainer: what trains at which learning rate, one optimisation step, and the first step's
-check that every `sampling_offsets` layer learns. The loop around it is `training.py`."""
+"""The trainer: one optimisation step, and the first step's check that every `sampling_offsets` layer
+learns; built with its memory plan. The loop around it is `engine.py`."""
 
 import contextlib
 import math
 import re
-from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map
 
-from .cli import CommandError, UsageError
-from .config import Config
-from .criterion import build_criterion
-from .precision import DTYPES, computing_in, to, widened
+from ..config import Config
+from ..errors import CommandError, UsageError
+from ..models import build_criterion
+from ..models.precision import DTYPES, computing_in, to, widened
+from .ema import EMA
+from .memory_plan import plan_memory
+from .optimizer import build_optimizer, freeze_for_training
 
 
 class GradientCheckError(CommandError):
     """A `sampling_offsets` layer got a zero or non-finite gradient on the first step."""
-
-
-def freeze_for_training(model, cfg: Config):
-    """As the authors: the backbone trains (but its stem and layer1, unless `freeze_stem_and_layer1`
-    is off) when lr_backbone > 0."""
-    model.backbone[0].set_trainable(cfg.optimizer.lr_backbone > 0, cfg.optimizer.freeze_stem_and_layer1)
-
-
-def _matches(path: str, names) -> bool:
-    return any(name in path for name in names)
-
-
-def build_optimizer(cfg: Config) -> optim.MultiOptimizer:
-    """AdamW with the authors' three parameter groups: the backbone at lr_backbone,
-    reference_points / sampling_offsets at lr * lr_linear_proj_mult, the rest at lr."""
-    o = cfg.optimizer
-
-    def adamw(lr):
-        return optim.AdamW(
-            learning_rate=lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=o.weight_decay, bias_correction=True
-        )
-
-    return optim.MultiOptimizer(
-        [adamw(o.lr_backbone), adamw(o.lr * o.lr_linear_proj_mult), adamw(o.lr)],
-        [lambda path, _: path.startswith("backbone.0"), lambda path, _: _matches(path, o.lr_linear_proj_names)],
-    )
-
-
-def base_learning_rates(cfg: Config):
-    o = cfg.optimizer
-    return [o.lr_backbone, o.lr * o.lr_linear_proj_mult, o.lr]
-
-
-def set_epoch_learning_rates(optimizer, cfg: Config, epoch: int):
-    """Step decay: every rate x 0.1 once per `lr_drop` epochs (the authors' StepLR)."""
-    factor = 0.1 ** (epoch // cfg.schedule.lr_drop)
-    for sub, base in zip(optimizer.optimizers, base_learning_rates(cfg), strict=True):
-        sub.learning_rate = mx.array(base * factor)
 
 
 def sampling_offsets_grad_norms(grads) -> dict:
@@ -109,42 +73,6 @@ def seed_step(seed: int, global_step: int):
     mx.random.seed((seed * 1_000_003 + global_step) % 2**32)
 
 
-class EMA:
-    """An exponential moving average of the model's weights, kept in float32: after each optimizer
-    step w_ema <- d w_ema + (1 - d) w for every trained weight, with d = decay (1 - exp(-updates /
-    warmup)) rising from 0 to `decay` (the warm-up of RT-DETR's and Ultralytics' ModelEMA); frozen
-    weights are the model's own."""
-
-    def __init__(self, model, decay: float, warmup: int):
-        self.decay, self.warmup = decay, warmup
-        self.start(model)
-
-    def start(self, model, weights: dict | None = None, updates: int = 0):
-        """From the model's weights, or from `weights` after `updates` (a resumed run)."""
-        self.weights = weights or {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
-        self.updates = updates
-
-    def update(self, model):
-        """The next average, lazily (evaluated with the step)."""
-        self.updates += 1
-        d = self.decay * (1 - math.exp(-self.updates / max(self.warmup, 1)))
-        trained = dict(tree_flatten(model.trainable_parameters()))
-        for key, value in tree_flatten(model.parameters()):
-            average = self.weights[key]
-            self.weights[key] = d * average + (1 - d) * value.astype(mx.float32) if key in trained else value
-
-    @contextmanager
-    def swapped_in(self, model):
-        """The model holds the average inside the block (evaluations), its own weights after."""
-        own = model.parameters()
-        dtypes = {k: v.dtype for k, v in tree_flatten(own)}
-        model.update(tree_unflatten([(k, v.astype(dtypes[k])) for k, v in self.weights.items()]))
-        try:
-            yield
-        finally:
-            model.update(own)
-
-
 class Trainer:
     """One optimisation step: forward, matched losses, backward, (all-reduce), clip, AdamW.
     `mx.eval` once per step, and nothing evaluates before it: the Hungarian matching and the CPU
@@ -166,14 +94,23 @@ class Trainer:
         self.sampling_offsets_grad_norms = None  # of the first step, by layer
 
     @classmethod
-    def from_config(cls, model, cfg: Config, group=None):
+    def from_config(cls, model, cfg: Config, image_sizes, group=None, log=None):
         """The trainer of `cfg` for `model`: the recipe's frozen layers, AdamW with the authors'
         parameter groups, the matched losses; data parallel over `group` when it has several
-        processes."""
+        processes; and its memory plan for training images of `image_sizes` ((width, height) each,
+        `dataset.image_sizes()`): `auto` micro-batch and activation checkpointing resolved in `cfg`
+        (`memory_plan.py`; `log` is told), or a MemoryBudgetError where a step would not fit."""
+        share = process_share(cfg, group.size() if group is not None else 1)
         freeze_for_training(model, cfg)
         mx.eval(model.parameters())  # materialise the initial weights once, before any step reseeds MLX's generator
         parallel = group is not None and group.size() > 1
-        return cls(model, build_criterion(cfg), build_optimizer(cfg), cfg, group if parallel else None)
+        trainer = cls(model, build_criterion(cfg), build_optimizer(cfg), cfg, group if parallel else None)
+        trainer.memory_estimate = plan_memory(trainer, image_sizes, share, log)
+        return trainer
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.cfg.schedule.micro_batch_size
 
     def evaluation_weights(self):
         """A context in which the model holds the weights to evaluate: the EMA where there is one."""

@@ -7,13 +7,13 @@ for key.
 
 from functools import cache
 
+import kernels
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-import kernels
-
-from .precision import to
+from .precision import FrozenBatchNorm2d
 from .recompute import ReLU, checkpointed
 
 # name -> (block, blocks per stage)
@@ -23,23 +23,6 @@ ARCHITECTURES = {
     "resnet50": ("bottleneck", (3, 4, 6, 3)),
     "resnet101": ("bottleneck", (3, 4, 23, 3)),
 }
-
-
-class FrozenBatchNorm2d(nn.Module):
-    """Batch norm with fixed statistics and affine parameters (never trained)."""
-
-    def __init__(self, channels: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = mx.ones((channels,))
-        self.bias = mx.zeros((channels,))
-        self.running_mean = mx.zeros((channels,))
-        self.running_var = mx.ones((channels,))
-        self.eps = eps
-        self.freeze()
-
-    def __call__(self, x):
-        scale = self.weight * mx.rsqrt(self.running_var + self.eps)  # in float32 (precision.py)
-        return x * to(scale, x.dtype) + to(self.bias - self.running_mean * scale, x.dtype)
 
 
 class Conv2d(nn.Conv2d):

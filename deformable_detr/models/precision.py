@@ -8,11 +8,11 @@ in float32. In float32 every cast here is skipped: the model is exactly the one 
 
 from contextlib import contextmanager
 
+import kernels
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-
-import kernels
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
@@ -41,9 +41,24 @@ class GroupNorm(nn.GroupNorm):
         return to(super().__call__(widened(x)), x.dtype)
 
 
-def _kept_in_float32(module) -> bool:
-    from .backbone import FrozenBatchNorm2d
+class FrozenBatchNorm2d(nn.Module):
+    """Batch norm with fixed statistics and affine parameters (never trained)."""
 
+    def __init__(self, channels: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = mx.ones((channels,))
+        self.bias = mx.zeros((channels,))
+        self.running_mean = mx.zeros((channels,))
+        self.running_var = mx.ones((channels,))
+        self.eps = eps
+        self.freeze()
+
+    def __call__(self, x):
+        scale = self.weight * mx.rsqrt(self.running_var + self.eps)  # in float32 (precision.py)
+        return x * to(scale, x.dtype) + to(self.bias - self.running_mean * scale, x.dtype)
+
+
+def _kept_in_float32(module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.GroupNorm, FrozenBatchNorm2d))
 
 

@@ -6,9 +6,9 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..config import Config
 from .backbone import Backbone, Conv2d, resize_mask
 from .box_ops import box_cxcywh_to_xyxy
-from .config import Config
 from .deformable_transformer import DeformableTransformer, inverse_sigmoid
 from .position_encoding import PositionEmbeddingSine
 from .precision import GroupNorm, to

@@ -11,6 +11,9 @@ import os
 from functools import cache
 from pathlib import Path
 
+from ..errors import UsageError
+from .conversion import convert, save_converted
+
 PREFIX = "hf://"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -23,8 +26,6 @@ def parse(reference: str) -> tuple[str, str | None]:
     """'hf://ORG/NAME@REVISION' -> ('ORG/NAME', 'REVISION' or None)."""
     repo, _, revision = reference[len(PREFIX) :].partition("@")
     if repo.count("/") != 1 or not all(repo.split("/")):
-        from .cli import UsageError
-
         raise UsageError(f"{reference}: expected hf://ORG/NAME or hf://ORG/NAME@REVISION")
     return repo, revision or None
 
@@ -112,8 +113,6 @@ def local_weights(reference) -> Path:
     repo, _ = parse(reference)
     path = converted_cache() / repo.replace("/", "--") / f"{folder.name}.safetensors"  # the snapshot's commit
     if not path.is_file():
-        from .convert import convert, save_converted
-
         weights, options, _ = convert(folder, source=reference)
         save_converted(path, weights, options, folder)
     return path

@@ -5,10 +5,10 @@ every CPU core) serves here and in the decoder's self-attention."""
 
 import math
 
+import kernels
+
 import mlx.core as mx
 import mlx.nn as nn
-
-import kernels
 
 from .precision import to, widened
 

@@ -1,8 +1,10 @@
-"""Out of memory is a clear stop, never a crash. On MLX's CPU back-end a failed allocation is a
-segmentation fault (and `mx.set_memory_limit` is not enforced there), so before the first step
-`check_memory` estimates the peak of the largest batch the data can produce, from two small probe
-steps, and refuses to start when it exceeds the budget; on Metal an allocation failure during a
-step ends with the same advice (`out_of_memory_message`).
+"""The memory plan of a training run, made where its trainer is built (`Trainer.from_config`): the
+micro-batch and whether to recompute activations in the backward, where the config says `auto`, and
+a clear stop, never a crash, where a step would not fit. On MLX's CPU back-end a failed allocation is
+a segmentation fault (and `mx.set_memory_limit` is not enforced there), so before the first step
+`plan_memory` estimates the peak of the largest batch the data can produce, from small probe steps,
+and refuses to start when it exceeds the budget; on Metal an allocation failure during a step ends
+with the same advice (`out_of_memory_message`).
 
 The estimate: MLX's peak memory during a step is a constant (weights, optimizer state) plus a part
 proportional to the pixels of the batch (activations: the backbone's feature maps, the encoder's
@@ -17,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .cli import CommandError
-from .data.transforms import resized_shape
+from ..data.transforms import resized_shape
+from ..errors import CommandError
 
 GIB = 1024**3
 
@@ -120,17 +122,22 @@ def estimate_step_memory(trainer, batch: int, height: int, width: int, num_class
     return Estimate(peak, batch, height, width, probes)
 
 
-def check_memory(trainer, train_dataset, cfg, share: int, log=None) -> tuple[int, Estimate]:
-    """`check_micro_batch` with `train.activation_checkpointing: auto` resolved: off when a step
-    without it fits the budget (faster: nothing is recomputed), else on. The model and
-    `cfg.train.activation_checkpointing` are set to the choice, which is logged."""
+def plan_memory(trainer, image_sizes, share: int, log=None) -> Estimate:
+    """The plan for `trainer` (its model, optimizer and config) on images of `image_sizes` ((width,
+    height) of each), `share` images per process and step: `plan_micro_batch`, with
+    `train.activation_checkpointing: auto` resolved: off when a step without it fits the budget
+    (faster: nothing is recomputed), else on. The config (`schedule.micro_batch_size`,
+    `train.activation_checkpointing`) and the model are set to the choices, which are logged. -> the
+    estimated peak of a step of the largest micro-batch."""
+    cfg = trainer.cfg
     if cfg.train.activation_checkpointing != "auto":
-        return check_micro_batch(trainer, train_dataset, cfg, share, log)
+        trainer.model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+        return plan_micro_batch(trainer, image_sizes, share, log)
     for checkpointing in (False, True):
         cfg.train.activation_checkpointing = checkpointing
         trainer.model.set_activation_checkpointing(checkpointing)
         try:
-            micro, estimate = check_micro_batch(trainer, train_dataset, cfg, share, log)
+            estimate = plan_micro_batch(trainer, image_sizes, share, log)
         except MemoryBudgetError:
             if checkpointing:
                 raise
@@ -138,17 +145,18 @@ def check_memory(trainer, train_dataset, cfg, share: int, log=None) -> tuple[int
         if log is not None:
             why = "a step without it fits" if not checkpointing else "a step without it would not fit"
             log(f"memory: train.activation_checkpointing auto -> {str(checkpointing).lower()} ({why})")
-        return micro, estimate
+        return estimate
 
 
-def check_micro_batch(trainer, train_dataset, cfg, share: int, log=None) -> tuple[int, Estimate]:
-    """The micro-batch size to train with, and the estimated peak of a micro-batch of the largest
-    images the data can produce: `schedule.micro_batch_size`, or for `auto` the largest that divides
-    the process's `share` of the batch and fits the budget (from probes of 1 and 2 images: the peak
-    grows by the same amount with every image). Raise MemoryBudgetError (its message names the
-    estimate, the budget and what to lower) when even that does not fit. `log`: told what is being
-    measured before the probe steps run."""
-    height, width = largest_batch(train_dataset.image_sizes(), cfg.data)
+def plan_micro_batch(trainer, image_sizes, share: int, log=None) -> Estimate:
+    """The micro-batch size to train with, set in `schedule.micro_batch_size`: as given, or for `auto`
+    the largest that divides the process's `share` of the batch and fits the budget (from probes of 1
+    and 2 images: the peak grows by the same amount with every image). -> the estimated peak of a
+    micro-batch of the largest images the data can produce. Raise MemoryBudgetError (its message
+    names the estimate, the budget and what to lower) when even that does not fit. `log`: told what
+    is being measured before the probe steps run."""
+    cfg = trainer.cfg
+    height, width = largest_batch(image_sizes, cfg.data)
     micro, num_classes = cfg.schedule.micro_batch_size, cfg.model.num_classes
     if log is not None:
         what = "a micro-batch of 1 and of 2" if micro == "auto" else f"a micro-batch of {micro}"
@@ -176,7 +184,8 @@ def check_micro_batch(trainer, train_dataset, cfg, share: int, log=None) -> tupl
             f"(estimated from probe steps), over the memory budget of {budget / GIB:.1f} GiB ({source}); "
             f"{advice(cfg.train.activation_checkpointing)}"
         )
-    return micro, estimate
+    cfg.schedule.micro_batch_size = micro
+    return estimate
 
 
 def _accumulator(trainer, micro_batches: int) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .deformable_transformer import DeformableTransformer
+from ..models.deformable_transformer import DeformableTransformer
 
 
 @dataclass

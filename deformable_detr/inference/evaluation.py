@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from .data import DataLoader
-from .model import post_process
+from ..data import DataLoader
+from ..models import post_process
 
 STAT_NAMES = ["AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl"]
 PER_CLASS_NAMES = ["AP", "AP50", "AP75", "APs", "APm", "APl"]  # pycocotools' first six, for one category
@@ -127,6 +127,17 @@ def precision_at_50(evaluator, coco_gt) -> dict:
     precision, params = evaluator.eval["precision"], evaluator.params
     at_50 = precision[params.iouThrs == 0.5][0]
     return {coco_gt.cats[c]["name"]: at_50[:, k, 0, -1] for k, c in enumerate(params.catIds)}
+
+
+def name_mismatches(recorded: dict, dataset) -> list[str]:
+    """Where the model's category names (if recorded) differ from the dataset's at the same id: AP
+    would score one class's detections against another's boxes."""
+    names = dataset.class_names()
+    return [
+        f"category {i} is {recorded[i]!r} in the weights but {names[i]!r} in {dataset.annotation_file}"
+        for i in sorted(set(recorded) & set(names))
+        if recorded[i].casefold() != names[i].casefold()
+    ]
 
 
 def per_class_table(stats: dict) -> str:

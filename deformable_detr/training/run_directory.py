@@ -2,7 +2,7 @@
 
 config.yaml             the resolved config
 log.jsonl               a JSON record per step, per epoch and per evaluation
-checkpoint.safetensors  the model, optimizer state and progress (`weights.save_checkpoint`)
+checkpoint.safetensors  the model, optimizer state and progress (`weights/checkpoint.py`)
 checkpoint_best.safetensors   the same, as it was after the evaluation of highest AP
 eval_results.json, predictions.png, curves.png, pr_curves.png   at the end
 """
@@ -15,9 +15,10 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from .config import Config, config_to_dict
-from .visualize import draw_detections, grid, plot_curves, pr_curves
-from .weights import save_checkpoint
+from ..config import Config, config_to_dict
+from ..inference.detector import Detector
+from ..inference.visualize import grid, plot_curves, pr_curves
+from ..weights.checkpoint import save_checkpoint
 
 
 class RunDirectory:
@@ -31,7 +32,11 @@ class RunDirectory:
         self._log = None
         if is_main:
             self.path.mkdir(parents=True, exist_ok=True)
-            text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+    def write_config(self):
+        """config.yaml: the config as resolved (the memory plan's choices in place of `auto`), printed."""
+        if self.is_main:
+            text = yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False)
             (self.path / "config.yaml").write_text(text)
             print(text, end="")
 
@@ -84,15 +89,10 @@ class RunDirectory:
         against recall per category (`pr`, `Evaluation.curves`)."""
         if not self.is_main:
             return
-        from .predict import detect
-
         training = model.training
-        model.eval()
-        drawn = []
-        for index in range(min(count, len(val))):
-            image, _ = val.load(index)
-            detections = detect(model, image, self.cfg.data.val_size, self.cfg.data.max_size)
-            drawn.append(draw_detections(image, detections, val.class_names(), threshold))
+        detector = Detector(model, self.cfg, val.class_names())
+        images = [val.load(index)[0] for index in range(min(count, len(val)))]
+        drawn = [result.draw(image) for image, result in zip(images, detector.predict(images, threshold), strict=True)]
         model.train(training)
         grid(drawn).save(self.path / "predictions.png")
         pr_curves(pr, self.path / "pr_curves.png")

@@ -4,10 +4,10 @@ and feature maps channels-last."""
 
 import math
 
+import kernels
+
 import mlx.core as mx
 import mlx.nn as nn
-
-import kernels
 
 from .ms_deform_attn import MSDeformAttn
 from .position_encoding import sine_embedding

@@ -19,11 +19,11 @@ freed after the forward (an encoder layer's FFN keeps one (L, 1024) activation, 
 from contextlib import contextmanager
 from functools import cache
 
+import kernels
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-
-import kernels
 
 _keys: list[list[mx.array]] = []  # the key of each unit being run, innermost last
 

@@ -1,0 +1,203 @@
+"""`Detector`: a trained model with its config and class names, as one object.
+
+    detector = Detector.load("output/shapes/checkpoint.safetensors")  # or hf://ORG/NAME, converted weights
+    results = detector.predict("photos/", threshold=0.5)  # an image, array, path, folder, or a list of them
+    results[0].boxes, results[0].scores, results[0].names, results[0].to_json()
+    detector.evaluate("data/coco")  # COCO AP, as eval.py
+    detector.export("huggingface", "my-model")  # or "torch"
+
+The commands (`predict`, `eval.py`, `export`) are built on it."""
+
+import contextlib
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from PIL import Image
+
+from ..config import Config, config_to_dict, load_config
+from ..data import build_dataset, collate
+from ..data.transforms import normalize, resize
+from ..models import post_process
+from ..weights import conversion
+from ..weights.loading import config_from_weights, load_trained_model
+from .attention_points import encoder_queries, in_pixels, recording
+from .evaluation import evaluate, evaluation_batch_size, name_mismatches
+from .inputs import as_image, find_inputs, open_image
+from .visualize import draw_detections, pr_curves
+
+
+@dataclass
+class Detections:
+    """One image's detections at or above the threshold, best first: `boxes` (n, 4) x0, y0, x1, y1 in
+    the image's pixels, `scores` (n,), `labels` (n,) category ids, `names` their class names,
+    `queries` (n,) the decoder query of each. With `attention`, in_pixels' "points" (n, heads,
+    levels, points, 2), "weights", "reference" (n, 2) (and "box") of the decoder layer asked for;
+    with an encoder pixel, `encoder`: those of that pixel's encoder query on each level."""
+
+    boxes: np.ndarray
+    scores: np.ndarray
+    labels: np.ndarray
+    names: list
+    queries: np.ndarray
+    image_size: tuple  # (width, height)
+    path: Path | None = None
+    attention: dict | None = None
+    encoder: dict | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    def to_json(self) -> list[dict]:
+        """A record per detection: label, name, score, box, query; with `attention`, its reference point
+        (and box), sampling points and weights, rounded."""
+        records = []
+        for j, (score, label, name, box, query) in enumerate(
+            zip(self.scores, self.labels, self.names, self.boxes, self.queries, strict=True)
+        ):
+            record = {"label": int(label), "name": name, "score": float(score)}
+            record |= {"box": [float(v) for v in box], "query": int(query)}
+            if self.attention is not None:
+                record["reference_point"] = np.round(self.attention["reference"][j], 3).tolist()
+                if "box" in self.attention:
+                    record["reference_box"] = np.round(self.attention["box"][j], 3).tolist()
+                record["sampling_points"] = np.round(self.attention["points"][j], 3).tolist()
+                record["sampling_weights"] = np.round(self.attention["weights"][j], 6).tolist()
+            records.append(record)
+        return records
+
+    def draw(self, image=None) -> Image.Image:
+        """The boxes, names and scores drawn on a copy of `image` (default: the file it came from)."""
+        image = open_image(self.path) if image is None else as_image(image)
+        named = {int(label): name for label, name in zip(self.labels, self.names, strict=True)}
+        return draw_detections(image, {"scores": self.scores, "labels": self.labels, "boxes": self.boxes}, named, 0.0)
+
+
+class Detector:
+    """A model in evaluation mode, its `cfg` and its `class_names` ({category id: name})."""
+
+    def __init__(self, model, cfg: Config, class_names: dict, source=None):
+        self.model, self.cfg, self.class_names, self.source = model, cfg, class_names, source
+        model.eval()
+
+    @staticmethod
+    def config_for(weights, config=None, overrides=()) -> Config:
+        """The config of the model of `weights`: the one the weights record (`config`: a YAML file
+        instead), with `overrides` (section.key=value)."""
+        return load_config(config, overrides) if config else config_from_weights(weights, overrides)
+
+    @classmethod
+    def load(cls, weights, config=None, overrides=(), raw_weights: bool = False) -> "Detector":
+        """`weights`: a training checkpoint (its EMA where it has one, unless `raw_weights`), converted
+        weights, or `hf://ORG/NAME[@REVISION]`. `config`, `overrides`: as `config_for`, or a
+        Config."""
+        cfg = config if isinstance(config, Config) else cls.config_for(weights, config, overrides)
+        model, recorded = load_trained_model(weights, cfg, raw=raw_weights)
+        return cls(model, cfg, recorded or _dataset_names(cfg), source=weights)
+
+    def predict(
+        self,
+        images,
+        threshold: float = 0.5,
+        batch_size: int = 1,
+        attention: bool = False,
+        attention_layer: int = -1,
+        encoder_pixel: tuple | None = None,
+    ) -> list[Detections]:
+        """A result per image of `images`: a PIL image, an (H, W, 3) uint8 array, a path, a folder (its
+        images), a glob, or a list of these; `batch_size` images a forward. `attention`: the sampling
+        points and weights of decoder layer `attention_layer` for each detection; `encoder_pixel` (x, y):
+        where the last encoder layer's queries at that pixel look."""
+        items = images if isinstance(images, (list, tuple)) else [images]
+        sources = []  # (the file, or the image given)
+        for item in items:
+            is_path = isinstance(item, (str, Path))
+            sources += [(path, None) for path in find_inputs([item])] if is_path else [(None, as_image(item))]
+        decoder_layer = attention_layer if attention else None
+        results = []
+        for start in range(0, len(sources), batch_size):
+            batch = sources[start : start + batch_size]
+            opened = [image if image is not None else open_image(path) for path, image in batch]
+            for (path, _), image, found in zip(
+                batch, opened, self.detect(opened, decoder_layer, encoder_pixel), strict=True
+            ):
+                results.append(self._kept(found, threshold, image.size, path))
+        return results
+
+    def detect(self, images: list, decoder_layer: int | None = None, encoder_pixel=None) -> list[dict]:
+        """PIL images (RGB) in one forward -> per image the top 100 of `post_process` (numpy, boxes in the
+        image's pixels); with `decoder_layer`, "attention": in_pixels' dict of every query of that layer's
+        cross-attention; with `encoder_pixel` (x, y), "encoder": that pixel's encoder queries."""
+        empty = {"boxes": np.zeros((0, 4), np.float32), "labels": np.zeros(0, np.int64)}
+        data = self.cfg.data
+        pixels, mask, _ = collate([normalize(*resize(image, empty, data.val_size, data.max_size)) for image in images])
+        encoder_layer = -1 if encoder_pixel is not None else None
+        asked = decoder_layer is not None or encoder_layer is not None
+        with recording(self.model, decoder_layer, encoder_layer) if asked else contextlib.nullcontext({}) as recorders:
+            outputs = self.model(mx.array(pixels), mx.array(mask))
+        results = post_process(outputs, [[image.height, image.width] for image in images])
+        calls = {part: recorder.calls[0] for part, recorder in recorders.items()}
+        mx.eval(results, [(c.locations, c.weights, c.reference_points) for c in calls.values()])
+        results = [{k: np.array(v) for k, v in result.items()} for result in results]
+        for i, (image, result) in enumerate(zip(images, results, strict=True)):
+            if "decoder" in calls:
+                result["attention"] = in_pixels(calls["decoder"], i, image.width, image.height, result["queries"])
+            if "encoder" in calls:
+                queries = encoder_queries(calls["encoder"], i, *encoder_pixel, image.width, image.height)
+                result["encoder"] = in_pixels(calls["encoder"], i, image.width, image.height, queries)
+        return results
+
+    def _kept(self, found: dict, threshold: float, size: tuple, path) -> Detections:
+        kept = found["scores"] >= threshold  # post_process sorts best first
+        names = [self.class_names.get(int(label), str(int(label))) for label in found["labels"][kept]]
+        attention = {k: v[kept] for k, v in found["attention"].items()} if "attention" in found else None
+        arrays = {k: found[k][kept] for k in ("boxes", "scores", "labels", "queries")}
+        return Detections(
+            **arrays, names=names, image_size=size, path=path, attention=attention, encoder=found.get("encoder")
+        )
+
+    def evaluate(
+        self, coco_path=None, split: str = "val", batch_size: int | None = None, output_dir=None, verbose: bool = False
+    ) -> dict:
+        """COCO box AP on `split` of the config's dataset (`coco_path`: its files elsewhere) -> what
+        eval_results.json holds: the 12 numbers and "per_class". With `output_dir`, writes there
+        eval_results.json, detections_{split}.json (COCO results format) and pr_curves.png."""
+        data = self.cfg.data if coco_path is None else dataclasses.replace(self.cfg.data, coco_path=str(coco_path))
+        dataset = build_dataset(split, data)
+        for message in name_mismatches(self.class_names, dataset):
+            print(f"warning: {message}", file=sys.stderr)
+        batch_size = batch_size or evaluation_batch_size(self.cfg)
+        evaluation = evaluate(self.model, dataset, batch_size, data.num_workers, verbose=verbose)
+        if output_dir is not None:
+            output_dir = Path(output_dir)
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / f"detections_{split}.json").write_text(json.dumps(evaluation.detections))
+            (output_dir / "eval_results.json").write_text(json.dumps(evaluation.stats, indent=2))
+            pr_curves(evaluation.curves, output_dir / "pr_curves.png")
+        return evaluation.stats
+
+    def export(self, to: str, path, hf_backbone: str = "timm") -> str:
+        """The weights to another framework's layout: `to` "torch" (the authors' `.pth`) or "huggingface"
+        (a folder for transformers' from_pretrained; `hf_backbone` timm or transformers). -> a summary."""
+        weights = {k: np.array(v) for k, v in tree_flatten(self.model.parameters())}
+        source = self.source or "the model"
+        if to == "torch":
+            return conversion.export_torch(weights, config_to_dict(self.cfg)["model"], Path(path), source)
+        if to == "huggingface":
+            return conversion.export_huggingface(
+                weights, config_to_dict(self.cfg), self.class_names, Path(path), hf_backbone, source
+            )
+        raise ValueError(f"export to {to!r}: expected torch or huggingface")
+
+
+def _dataset_names(cfg: Config) -> dict:
+    """Where the weights record no names: the config's dataset's, when its files are there; else {}."""
+    try:
+        return build_dataset("val", cfg.data, prepare=False).class_names()
+    except FileNotFoundError:
+        return {}

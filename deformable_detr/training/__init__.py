@@ -1,0 +1,2 @@
+"""Training: the trainer's step (`trainer.py`) with its memory plan (`memory_plan.py`), optimizer and
+EMA, the loop (`engine.py`) and how it stops (`stops.py`), the run directory (`run_directory.py`)."""

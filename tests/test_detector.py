@@ -1,0 +1,95 @@
+"""`Detector`, the one object the commands are built on: its results are the predict command's JSON
+(a folder, a single image with its sampling points) and eval.py's files; every kind of input gives the
+same detections, which are the model's own post-processed outputs at or above the threshold."""
+
+import json
+
+from deformable_detr import Detector
+from deformable_detr.data.loader import collate
+from deformable_detr.data.transforms import normalize, resize
+from deformable_detr.models import post_process
+from deformable_detr.predict import main as predict_main
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+from test_evaluate import trained  # noqa: F401  (the fixture: a tiny model trained a few epochs)
+
+import eval as eval_script
+
+
+@pytest.fixture(scope="module")
+def detector(trained):  # noqa: F811
+    _, output = trained
+    return Detector.load(output / "checkpoint.safetensors")
+
+
+def test_results_are_the_predict_commands_json_for_a_folder(trained, detector, tmp_path):  # noqa: F811
+    root, output = trained
+    argv = ["--checkpoint", str(output / "checkpoint.safetensors"), "--output-dir", str(tmp_path), "--threshold", "0"]
+    predict_main([*argv, "--batch-size", "2", str(root / "val2017")])
+    results = detector.predict(root / "val2017", threshold=0.0, batch_size=2)
+    assert [r.path.name for r in results] == sorted(p.name for p in (root / "val2017").iterdir())
+    for result in results:
+        assert len(result) == 100  # threshold 0: every one of the top 100
+        assert result.to_json() == json.loads((tmp_path / f"{result.path.stem}.json").read_text())
+
+
+def test_a_single_image_with_its_sampling_points(trained, detector, tmp_path):  # noqa: F811
+    root, output = trained
+    image = sorted((root / "val2017").iterdir())[1]
+    argv = ["--checkpoint", str(output / "checkpoint.safetensors"), "--output-dir", str(tmp_path)]
+    predict_main([*argv, "--threshold", "0.05", "--attention", str(image)])
+    [result] = detector.predict(str(image), threshold=0.05, attention=True)
+    written = json.loads((tmp_path / f"{image.stem}.json").read_text())
+    assert result.to_json() == written and len(written) > 0
+    assert all(len(record["sampling_points"]) == detector.cfg.model.nheads for record in written)
+    assert all(record["score"] >= 0.05 for record in written)
+
+
+def test_every_kind_of_input_gives_the_models_own_detections(trained, detector):  # noqa: F811
+    root, _ = trained
+    path = sorted((root / "val2017").iterdir())[0]
+    image = Image.open(path).convert("RGB")
+    found = [detector.predict(item, threshold=0.02)[0] for item in (image, np.asarray(image), str(path), path)]
+    for other in found[1:]:
+        np.testing.assert_array_equal(other.boxes, found[0].boxes)
+        np.testing.assert_array_equal(other.scores, found[0].scores)
+        assert other.names == found[0].names
+
+    # the reference: the model's forward on the evaluation resize, post-processed, kept at the threshold
+    empty = {"boxes": np.zeros((0, 4), np.float32), "labels": np.zeros(0, np.int64)}
+    data = detector.cfg.data
+    pixels, mask, _ = collate([normalize(*resize(image, empty, data.val_size, data.max_size))])
+    [expected] = post_process(detector.model(mx.array(pixels), mx.array(mask)), [[image.height, image.width]])
+    kept = np.array(expected["scores"]) >= 0.02
+    assert kept.any()
+    np.testing.assert_allclose(found[0].boxes, np.array(expected["boxes"])[kept], rtol=1e-6, atol=1e-4)
+    np.testing.assert_array_equal(found[0].labels, np.array(expected["labels"])[kept])
+    assert found[0].names == [detector.class_names[int(label)] for label in found[0].labels]
+    assert found[0].image_size == image.size
+
+
+def test_evaluate_is_eval_py(trained, detector, tmp_path):  # noqa: F811
+    root, output = trained
+    stats = detector.evaluate(root, output_dir=tmp_path / "api")
+    checkpoint = str(output / "checkpoint.safetensors")
+    eval_script.main(["--checkpoint", checkpoint, "--coco-path", str(root), "--output-dir", str(tmp_path)])
+    assert stats == json.loads((tmp_path / "eval_results.json").read_text())
+    assert stats == json.loads((tmp_path / "api" / "eval_results.json").read_text())
+    assert stats["AR100"] > 0 and set(stats["per_class"]) == set(detector.class_names.values())
+    for name in ("detections_val.json", "pr_curves.png"):
+        assert (tmp_path / "api" / name).read_bytes() == (tmp_path / name).read_bytes()
+
+
+def test_bad_input_is_named(detector, tmp_path):
+    with pytest.raises(ValueError, match=r"an image array must be .* got \(4, 4, 3\) float64"):
+        detector.predict(np.zeros((4, 4, 3)))
+    with pytest.raises(FileNotFoundError, match="nothing.png: no such image file"):
+        detector.predict(tmp_path / "nothing.png")
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    with pytest.raises(ValueError, match="broken.png: cannot read it as an image"):
+        detector.predict(tmp_path / "broken.png")
+    with pytest.raises(ValueError, match="export to 'onnx-ish': expected"):
+        detector.export("onnx-ish", tmp_path / "out")
