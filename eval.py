@@ -15,6 +15,7 @@ from pathlib import Path
 from deformable_detr import load_config
 from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import build_dataset
+from deformable_detr.data.classes import describe_match, match_classes
 from deformable_detr.evaluation import evaluate, evaluation_batch_size, per_class_table
 from deformable_detr.hub import is_hub, parse
 from deformable_detr.visualize import pr_curves
@@ -37,17 +38,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def name_mismatches(recorded: dict, dataset) -> list[str]:
-    """Where the weights' category names (if recorded) differ from the dataset's at the same id:
-    AP would score one class's detections against another's boxes."""
-    names = dataset.class_names()
-    return [
-        f"category {i} is {recorded[i]!r} in the weights but {names[i]!r} in {dataset.annotation_file}"
-        for i in sorted(set(recorded) & set(names))
-        if recorded[i].casefold() != names[i].casefold()
-    ]
-
-
 def default_output_dir(checkpoint: str) -> Path:
     """Beside the checkpoint; for weights from the Hub, output/ORG--NAME."""
     return Path("output") / parse(checkpoint)[0].replace("/", "--") if is_hub(checkpoint) else Path(checkpoint).parent
@@ -60,10 +50,12 @@ def main(argv=None) -> dict:
     cfg = load_config(args.config, overrides) if args.config else config_from_weights(args.checkpoint, overrides)
     model, recorded_names = load_trained_model(args.checkpoint, cfg, raw=args.raw_weights)
     dataset = build_dataset("val", cfg.data)
-    for message in name_mismatches(recorded_names, dataset):
-        print(f"warning: {message}", file=sys.stderr)
+    # the model's classes meet the dataset's by name (its ids may differ: YOLO's 0-based, VOC's sorted)
+    class_map = match_classes(recorded_names, dataset.class_names())
+    for message in describe_match(recorded_names, dataset.class_names(), class_map, dataset.annotation_file):
+        print(message, file=sys.stderr)
     batch_size = args.batch_size or evaluation_batch_size(cfg)
-    evaluation = evaluate(model, dataset, batch_size, cfg.data.num_workers, verbose=True)
+    evaluation = evaluate(model, dataset, batch_size, cfg.data.num_workers, True, cfg.evaluation.backend, class_map)
     print(per_class_table(evaluation.stats))
     output_dir = args.output_dir or default_output_dir(args.checkpoint)
     output_dir.mkdir(parents=True, exist_ok=True)

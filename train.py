@@ -68,7 +68,9 @@ def main(argv=None):
     if args.eval_only:
         if val is not None:
             with trainer.evaluation_weights():
-                stats = evaluate(model, val, evaluation_batch_size(cfg), cfg.data.num_workers).stats
+                stats = evaluate(
+                    model, val, evaluation_batch_size(cfg), cfg.data.num_workers, backend=cfg.evaluation.backend
+                ).stats
             run.write_results(stats)
             run.print(per_class_table(stats))
             run.print(json.dumps({k: v for k, v in stats.items() if k != "per_class"}, indent=2))
