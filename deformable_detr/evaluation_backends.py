@@ -37,8 +37,29 @@ def run_cocoeval(coco_gt, detections: list, backend: str):
         from faster_coco_eval import COCO, COCOeval_faster
 
         ground_truth = COCO(coco_gt.dataset)  # its own index of the same records
-        evaluator = COCOeval_faster(ground_truth, ground_truth.loadRes(detections), "bbox", print_function=print)
+        evaluator = COCOeval_faster(ground_truth, ground_truth.loadRes(detections), "bbox", print_function=_silent)
     evaluator.evaluate()
     evaluator.accumulate()
     evaluator.summarize()
+    if backend != "pycocotools":  # its summary has two more lines (AR at IoU 0.5, 0.75): print pycocotools' 12
+        print("\n".join(summary_lines(evaluator.stats)))
     return evaluator
+
+
+def _silent(*args):
+    pass
+
+
+def summary_lines(stats) -> list[str]:
+    """pycocotools' 12 summary lines (bbox, its default parameters) of the 12 numbers."""
+    rows = [(1, None, "all", 100), (1, 0.5, "all", 100), (1, 0.75, "all", 100)]
+    rows += [(1, None, area, 100) for area in ("small", "medium", "large")]
+    rows += [(0, None, "all", n) for n in (1, 10, 100)] + [
+        (0, None, area, 100) for area in ("small", "medium", "large")
+    ]
+    lines = []
+    for (ap, iou, area, max_dets), value in zip(rows, stats, strict=True):
+        title, kind = ("Average Precision", "(AP)") if ap else ("Average Recall", "(AR)")
+        iou = "0.50:0.95" if iou is None else f"{iou:0.2f}"
+        lines.append(f" {title:<18} {kind} @[ IoU={iou:<9} | area={area:>6s} | maxDets={max_dets:>3d} ] = {value:0.3f}")
+    return lines

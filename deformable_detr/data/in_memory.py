@@ -25,6 +25,7 @@ class ParsedSplit:
     data: dict
     problems: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    headers_read: bool = False  # every image's header read already (its size): the check need not
 
 
 def coco_from_dict(data: dict):
@@ -48,6 +49,7 @@ class InMemoryDetection(CocoDetection):
         self.image_dir = Path(split.image_dir)
         self.annotation_file = split.source
         self.problems, self.notes = list(split.problems), list(split.notes)
+        self.headers_read = split.headers_read
         if not split.data["images"]:
             self.problems.append(f"{split.source}: the {split.split} split has no images")
         if strict and self.problems:

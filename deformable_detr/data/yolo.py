@@ -153,6 +153,7 @@ def read_yolo(path, split: str, skip_bad_images: bool = False) -> ParsedSplit:
     yaml_path = find_data_yaml(path)
     data, root, names = read_data_yaml(yaml_path)
     parsed = ParsedSplit(split, yaml_path, root.resolve(), {"images": [], "annotations": [], "categories": []})
+    parsed.headers_read = True
     parsed.data["categories"] = [{"id": i, "name": name} for i, name in names.items()]
     unlabelled = []
     for image_path in split_images(data, split, root, yaml_path):
