@@ -32,7 +32,7 @@ COCO_CATEGORY_NAMES = dict(
 )
 
 
-def annotation_problems(data: dict, annotation_file):
+def annotation_problems(data: dict, annotation_file, split: str = ""):
     """Before any step: every image an id and a file_name, every category id a non-negative integer
     (a negative one would index the class outputs from the end and train silently; a string stops a
     step with a TypeError), every bbox four finite numbers, some images. Yields each problem as a
@@ -59,7 +59,7 @@ def annotation_problems(data: dict, annotation_file):
         if not (isinstance(box, list) and len(box) == 4 and all(_is_number(v) and math.isfinite(v) for v in box)):
             yield f"{where}: bbox {box!r} is not four finite numbers (x, y, width, height)"
     if not data.get("images"):
-        yield f"{annotation_file}: the split has no images"
+        yield f"{annotation_file}: the {split} split has no images"
 
 
 def _is_number(value) -> bool:
@@ -85,7 +85,7 @@ class CocoDetection:
 
         data = read_json(self.annotation_file)  # not JSON: the file, line and column
         # strict: stop at the first problem; else keep them all for the check command
-        self.problems, self.notes = list(annotation_problems(data, self.annotation_file)), []
+        self.problems, self.notes = list(annotation_problems(data, self.annotation_file, split)), []
         if strict and self.problems:
             raise ValueError(self.problems[0])
         self.coco = COCO()
