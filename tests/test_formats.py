@@ -120,7 +120,7 @@ def test_an_image_without_a_label_file_has_no_boxes(sets, tmp_path):
     assert len(reference.load(1)[1]["boxes"]) > 0
     assert dataset.notes == [
         "1 image(s) without a label file, so without boxes (as Ultralytics reads them): "
-        f"{(yolo / 'labels' / 'val' / '000000000002.txt').resolve()}"
+        f"{yolo / 'labels' / 'val' / '000000000002.txt'}"
     ]
 
 
@@ -133,7 +133,7 @@ def append_line(path, line: str) -> int:
 
 def test_boxes_training_drops_are_dropped_and_counted(sets, tmp_path):
     yolo = shutil.copytree(sets["yolo"], tmp_path / "yolo")
-    label = (yolo / "labels" / "train" / "000000000003.txt").resolve()
+    label = yolo / "labels" / "train" / "000000000003.txt"
     zero = append_line(label, "0 0.5 0.5 0.0 0.2")
     outside = append_line(label, "1 1.5 0.5 0.2 0.2")  # x from 1.4 to 1.6 of the width
     dataset = build_dataset("train", data_cfg("yolo", yolo))
@@ -173,8 +173,8 @@ def test_check_command_counts_every_class_and_exits_0(sets):
 
 def test_check_command_lists_every_problem_and_exits_1(sets, tmp_path):
     yolo = shutil.copytree(sets["yolo"], tmp_path / "yolo")
-    first = (yolo / "labels" / "train" / "000000000001.txt").resolve()
-    second = (yolo / "labels" / "val" / "000000000004.txt").resolve()
+    first = yolo / "labels" / "train" / "000000000001.txt"
+    second = yolo / "labels" / "val" / "000000000004.txt"
     bad = [append_line(first, "0 0.5 0.5 0.2"), append_line(second, "9 0.5 0.5 0.2 0.2")]
     done = check_command(f"data.path={yolo}", "data.dataset=yolo")
     assert done.returncode == 1
@@ -187,7 +187,7 @@ def test_check_command_lists_every_problem_and_exits_1(sets, tmp_path):
 
 
 def break_yolo_label(root, line):
-    path = (root / "labels" / "train" / "000000000002.txt").resolve()
+    path = root / "labels" / "train" / "000000000002.txt"
     return path, append_line(path, line)
 
 
@@ -402,7 +402,7 @@ def test_classes_meet_by_name_ignoring_case():
 
 def test_an_image_that_cannot_be_read_is_named_or_left_out(sets, tmp_path):
     yolo = shutil.copytree(sets["yolo"], tmp_path / "yolo")
-    broken = (yolo / "images" / "val" / "000000000003.png").resolve()
+    broken = yolo / "images" / "val" / "000000000003.png"
     broken.write_bytes(b"not a png")
     with pytest.raises(
         ValueError, match=f"^{re.escape(str(broken))}: cannot read image: .*skip_bad_images=true leaves"

@@ -79,7 +79,7 @@ def split_images(data: dict, split: str, root: Path, yaml_path: Path) -> list[Pa
             images += [path.parent / line.strip() for line in lines if line.strip()]
         else:
             raise FileNotFoundError(f"{yaml_path}: {split}: {path} does not exist")
-    return sorted({p.resolve() for p in images})
+    return sorted(set(images))
 
 
 def label_path(image: Path) -> Path:
@@ -152,7 +152,7 @@ def read_yolo(path, split: str, skip_bad_images: bool = False) -> ParsedSplit:
     """The `split` ("train" or "val") of the YOLO set whose data.yaml is `path` (or in the folder `path`)."""
     yaml_path = find_data_yaml(path)
     data, root, names = read_data_yaml(yaml_path)
-    parsed = ParsedSplit(split, yaml_path, root.resolve(), {"images": [], "annotations": [], "categories": []})
+    parsed = ParsedSplit(split, yaml_path, root, {"images": [], "annotations": [], "categories": []})
     parsed.headers_read = True
     parsed.data["categories"] = [{"id": i, "name": name} for i, name in names.items()]
     unlabelled = []
@@ -168,7 +168,7 @@ def read_yolo(path, split: str, skip_bad_images: bool = False) -> ParsedSplit:
                 parsed.problems.append(f"{image_path}: {reason} (data.skip_bad_images=true leaves it out)")
             continue
         image_id = len(parsed.data["images"]) + 1
-        file_name = image_path.relative_to(root.resolve()) if image_path.is_relative_to(root.resolve()) else image_path
+        file_name = image_path.relative_to(root) if image_path.is_relative_to(root) else image_path
         parsed.data["images"].append({"id": image_id, "file_name": str(file_name), "width": width, "height": height})
         labels = label_path(image_path)
         if not labels.is_file():
