@@ -81,6 +81,25 @@ def test_targets_and_ground_truth_equal_the_coco_json_loaders(sets, kind, split)
     assert_same_targets(build_dataset(split, data_cfg(kind, sets[kind])), reference)
 
 
+def test_roboflow_layout_and_image_lists_read_the_same(sets, tmp_path):
+    """Roboflow's export (train/images, valid/images; data.yaml without path, entries ../train/images)
+    and Ultralytics' image lists (a .txt of ./images/... lines) give the same sets."""
+    roboflow = tmp_path / "roboflow"
+    for split, folder in (("train", "train"), ("val", "valid")):
+        for kind in ("images", "labels"):
+            shutil.copytree(sets["yolo"] / kind / split, roboflow / folder / kind)
+    names = CATEGORIES
+    (roboflow / "data.yaml").write_text(f"train: ../train/images\nval: ../valid/images\nnc: 5\nnames: {names}\n")
+    listed = shutil.copytree(sets["yolo"], tmp_path / "listed")
+    images = sorted((listed / "images" / "val").iterdir())
+    (listed / "val.txt").write_text("".join(f"./images/val/{p.name}\n" for p in images))
+    (listed / "data.yaml").write_text(f"train: images/train\nval: val.txt\nnames: {dict(enumerate(names))}\n")
+    for split in ("train", "val"):
+        reference = build_dataset(split, data_cfg("yolo", sets["yolo"]))
+        assert_same_targets(build_dataset(split, data_cfg("yolo", roboflow)), reference)
+        assert_same_targets(build_dataset(split, data_cfg("yolo", listed)), reference)
+
+
 def test_class_ids_yolo_its_indices_voc_the_sorted_names(sets):
     yolo = build_dataset("train", data_cfg("yolo", sets["yolo"] / "data.yaml"))  # the file itself, or its folder
     voc = build_dataset("train", data_cfg("voc", sets["voc"]))

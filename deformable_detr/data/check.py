@@ -59,7 +59,8 @@ def count_boxes(dataset, report: Report):
     images = dataset.coco.imgs
     report.images = len(images)
     for annotation in dataset.coco.anns.values():
-        category, box, image = annotation.get("category_id"), annotation.get("bbox"), images.get(annotation["image_id"])
+        category, box = annotation.get("category_id"), annotation.get("bbox")
+        image = images.get(annotation.get("image_id"))
         if not (isinstance(category, int) and isinstance(box, list) and len(box) == 4 and image is not None):
             continue  # a problem already listed (or an annotation of no listed image: never read)
         if annotation.get("iscrowd", 0):

@@ -28,7 +28,10 @@ def image_list(root: Path, split: str) -> tuple[Path, list[tuple[int, str]]]:
     for path in (root / "Annotations", listing):
         if not path.exists():
             raise FileNotFoundError(f"VOC {split} split: {path} does not exist (data.path is {root})")
-    lines = listing.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = listing.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{listing}: not UTF-8 text, so not a list of image ids (byte {error.start})") from None
     return listing, [(number, line.split()[0]) for number, line in enumerate(lines, 1) if line.strip()]
 
 

@@ -74,8 +74,11 @@ def split_images(data: dict, split: str, root: Path, yaml_path: Path) -> list[Pa
             path = root / str(entry)[3:]
         if path.is_dir():
             images += [p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
-        elif path.is_file():
-            lines = path.read_text(encoding="utf-8").splitlines()
+        elif path.is_file():  # a list of images, relative to its folder
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}: not UTF-8 text, so not a list of images (byte {error.start})") from None
             images += [path.parent / line.strip() for line in lines if line.strip()]
         else:
             raise FileNotFoundError(f"{yaml_path}: {split}: {path} does not exist")
