@@ -1,11 +1,12 @@
 """Evaluate a checkpoint on the val split with pycocotools (COCO box AP).
 
-    python eval.py --config configs/r50.yaml --checkpoint W [--coco-path P] [--batch-size N] [--output-dir D]
+    python eval.py --config configs/r50.yaml --checkpoint W [--data-path P] [--batch-size N] [--output-dir D]
                    [section.key=value ...]
 
-W is a training checkpoint (train.py) or converted weights (python -m deformable_detr.convert).
-Prints pycocotools' 12-line summary; writes eval_results.json (AP, AP50, ..., ARl) and
-detections_val.json (COCO results format) to --output-dir (default: beside the checkpoint).
+W is a training checkpoint (train.py) or converted weights (python -m deformable_detr.convert), or
+hf://ORG/NAME. The model's classes meet the dataset's by name. Prints pycocotools' 12-line summary;
+writes eval_results.json (AP, AP50, ..., ARl), detections_val.json (COCO results format) and
+pr_curves.png to --output-dir (default: beside the checkpoint). Built on `Detector.evaluate`.
 """
 
 from pathlib import Path
@@ -22,7 +23,9 @@ def parse_args(argv=None):
         "--config", help="default: the config the weights record (a checkpoint's, or converted weights')"
     )
     parser.add_argument("--checkpoint", required=True, help="a weights file, or hf://ORG/NAME[@REVISION] on the Hub")
-    parser.add_argument("--coco-path", help="overrides data.coco_path")
+    parser.add_argument(
+        "--data-path", "--coco-path", help="where the dataset is (data.path: a folder, or YOLO's data.yaml)"
+    )
     parser.add_argument("--batch-size", type=int, help="default: schedule.micro_batch_size (2 where it is auto)")
     parser.add_argument("--output-dir", type=Path)
     parser.add_argument(
@@ -42,7 +45,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     detector = Detector.load(args.checkpoint, args.config, args.overrides, raw_weights=args.raw_weights)
     output_dir = args.output_dir or default_output_dir(args.checkpoint)
-    stats = detector.evaluate(args.coco_path, batch_size=args.batch_size, output_dir=output_dir, verbose=True)
+    stats = detector.evaluate(args.data_path, batch_size=args.batch_size, output_dir=output_dir, verbose=True)
     print(per_class_table(stats))
     print(
         f"wrote {', '.join(str(output_dir / n) for n in ('eval_results.json', 'detections_val.json', 'pr_curves.png'))}"

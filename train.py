@@ -53,7 +53,8 @@ def start_weights(model, args, class_names: dict, say):
 
 def evaluate_only(model, cfg, run: RunDirectory):
     if run.is_main:
-        stats = evaluate(model, build_dataset("val", cfg.data), evaluation_batch_size(cfg), cfg.data.num_workers).stats
+        val, batch = build_dataset("val", cfg.data), evaluation_batch_size(cfg)
+        stats = evaluate(model, val, batch, cfg.data.num_workers, backend=cfg.evaluation.backend).stats
         run.write_results(stats)
         run.print(per_class_table(stats))
         run.print(json.dumps({k: v for k, v in stats.items() if k != "per_class"}, indent=2))

@@ -76,7 +76,10 @@ class ScheduleConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "coco"
+    dataset: str = "coco"  # coco | shapes | yolo | voc, or a registered name (deformable_detr/data/__init__.py)
+    # Where the dataset is: COCO's root folder, YOLO's data.yaml (or its folder), VOC's folder holding
+    # Annotations/ ("": coco_path, which is read as before)
+    path: str = ""
     coco_path: str = "data/coco"
     num_workers: int = 2  # mlx-data threads decoding and augmenting
     prefetch: int = 4  # batches prepared ahead
@@ -107,6 +110,13 @@ class TrainConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    # COCO AP's implementation: faster_coco_eval (the same numbers, several times faster) where it is
+    # installed (auto), else pycocotools
+    backend: str = field(default="auto", metadata={"choices": ("auto", "pycocotools", "faster_coco_eval")})
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     matcher: MatcherConfig = field(default_factory=MatcherConfig)
@@ -115,6 +125,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     seed: int = 42
 
 

@@ -7,8 +7,8 @@ import json
 from deformable_detr import build_model, load_config
 from deformable_detr.convert import main as convert_main
 from deformable_detr.data import COCO_CATEGORY_NAMES, build_dataset
+from deformable_detr.data.classes import describe_match, match_classes
 from deformable_detr.data.shapes import CATEGORIES, generate
-from deformable_detr.inference.evaluation import name_mismatches
 from deformable_detr.predict import main as predict_main
 from deformable_detr.training.optimizer import build_optimizer
 from deformable_detr.weights.checkpoint import save_checkpoint
@@ -205,12 +205,15 @@ def test_predict_names_classes_from_converted_coco_weights(tmp_path, capsys):
     assert not (tmp_path / "nowhere").exists()  # predict generated no dataset
 
 
-def test_eval_warns_when_the_weights_name_other_classes(new_set):
+def test_eval_meets_the_weights_classes_by_name(new_set):
+    """The weights name the five shapes at 1..5; the new set has circle 1, square 2, hexagon 3, star 4:
+    square and circle meet by name, hexagon and star have no class of the model."""
     dataset = build_dataset("val", load_config(TINY, [f"data.coco_path={new_set}"]).data)
     recorded = {i + 1: name for i, name in enumerate(CATEGORIES)}
-    messages = name_mismatches(recorded, dataset)
-    assert (
-        messages[0] == (f"category 1 is 'square' in the weights but 'circle' in {dataset.annotation_file}")
-        and len(messages) == 4
-    )
-    assert name_mismatches({1: "Circle", 2: "square"}, dataset) == []
+    class_map = match_classes(recorded, dataset.class_names())
+    assert class_map == {1: 2, 2: 1}
+    assert describe_match(recorded, dataset.class_names(), class_map, dataset.annotation_file) == [
+        f"classes met by name (model id -> {dataset.annotation_file}'s id): square 1 -> 2, circle 2 -> 1",
+        f"warning: the model has no class named hexagon (3), star (4) of {dataset.annotation_file}: their AP is 0",
+    ]
+    assert match_classes({1: "Circle", 2: "square"}, dataset.class_names()) == {1: 1, 2: 2}

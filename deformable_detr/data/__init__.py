@@ -14,15 +14,21 @@ only for this:
   the labels and the names; `dataset.annotation_file`, where the labels come from (for messages);
 - `dataset.coco`: a pycocotools `COCO` of the split's ground truth, for COCO AP.
 
-`CocoDetection` (`coco.py`) reads any set in COCO's layout; `register_dataset` adds another kind.
+`CocoDetection` (`coco.py`) reads any set in COCO's layout, `yolo.py` and `voc.py` read YOLO's and
+Pascal VOC's into COCO's format in memory (`in_memory.py`); `register_dataset` adds another kind.
+Where a set is: `data.path` ('' : `data.coco_path`). The built-in readers check every annotation
+before anything trains (`strict`; `python -m deformable_detr.data.check` lists every problem).
 """
 
 from pathlib import Path
 
-from ..cli import UsageError
+from ..errors import UsageError
 from .coco import COCO_CATEGORY_NAMES, CocoDetection
+from .in_memory import InMemoryDetection
 from .loader import BadImageError, DataLoader, collate
 from .transforms import make_transforms
+from .voc import read_voc
+from .yolo import read_yolo
 
 DATASETS = {}
 
@@ -38,19 +44,39 @@ def register_dataset(name: str):
     return register
 
 
+def data_path(data_cfg) -> str:
+    """Where the set is: `data.path`, or where that is empty, `data.coco_path`."""
+    return getattr(data_cfg, "path", "") or data_cfg.coco_path
+
+
 @register_dataset("coco")
-def coco(split: str, data_cfg, prepare: bool = True):
-    return CocoDetection(data_cfg.coco_path, split, make_transforms(split, data_cfg), data_cfg.skip_bad_images)
+def coco(split: str, data_cfg, prepare: bool = True, strict: bool = True):
+    transforms = make_transforms(split, data_cfg)
+    return CocoDetection(data_path(data_cfg), split, transforms, data_cfg.skip_bad_images, strict)
 
 
 @register_dataset("shapes")
-def shapes(split: str, data_cfg, prepare: bool = True):
-    """The built-in synthetic set, generated under `coco_path` when absent."""
-    if prepare and not (Path(data_cfg.coco_path) / "annotations").exists():
+def shapes(split: str, data_cfg, prepare: bool = True, strict: bool = True):
+    """The built-in synthetic set, generated under the data path when absent."""
+    if prepare and not (Path(data_path(data_cfg)) / "annotations").exists():
         from .shapes import generate
 
-        generate(data_cfg.coco_path)
-    return coco(split, data_cfg)
+        generate(data_path(data_cfg))
+    return coco(split, data_cfg, strict=strict)
+
+
+@register_dataset("yolo")
+def yolo(split: str, data_cfg, prepare: bool = True, strict: bool = True):
+    """Ultralytics' layout: `data.path` is the data.yaml or its folder (`yolo.py`)."""
+    parsed = read_yolo(data_path(data_cfg), split, data_cfg.skip_bad_images)
+    return InMemoryDetection(parsed, make_transforms(split, data_cfg), data_cfg.skip_bad_images, strict)
+
+
+@register_dataset("voc")
+def voc(split: str, data_cfg, prepare: bool = True, strict: bool = True):
+    """Pascal VOC's layout: `data.path` holds Annotations/, ImageSets/Main/, JPEGImages/ (`voc.py`)."""
+    parsed = read_voc(data_path(data_cfg), split)
+    return InMemoryDetection(parsed, make_transforms(split, data_cfg), data_cfg.skip_bad_images, strict)
 
 
 def build_dataset(split: str, data_cfg, prepare: bool = True):
@@ -86,6 +112,7 @@ __all__ = [
     "DataLoader",
     "build_dataset",
     "collate",
+    "data_path",
     "num_classes_for",
     "register_dataset",
 ]

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from .files import read_json
 from .loader import BadImageError
 from .transforms import normalize
 
@@ -31,20 +32,34 @@ COCO_CATEGORY_NAMES = dict(
 )
 
 
-def check_annotations(data: dict, annotation_file):
-    """Before any step: every category id a non-negative integer (a negative one would index the
-    class outputs from the end and train silently; a string stops a step with a TypeError), every
-    bbox four finite numbers. The error names the file, the annotation (or category) and the value."""
+def annotation_problems(data: dict, annotation_file, split: str = ""):
+    """Before any step: every image an id and a file_name, every category id a non-negative integer
+    (a negative one would index the class outputs from the end and train silently; a string stops a
+    step with a TypeError), every bbox four finite numbers, some images. Yields each problem as a
+    line naming the file, the image, annotation (or category) and the value."""
+    if not isinstance(data, dict):
+        yield f"{annotation_file}: expected a JSON object (images, annotations, categories), got {type(data).__name__}"
+        return
+    for image in data.get("images", []):
+        if not (isinstance(image, dict) and _is_number(image.get("id")) and isinstance(image.get("file_name"), str)):
+            yield f"{annotation_file}: image {image!r}: expected an id and a file_name"
     for category in data.get("categories", []):
-        if not _is_index(category.get("id")):
-            raise ValueError(f"{annotation_file}: category {category!r}: id is not a non-negative integer")
+        if not (isinstance(category, dict) and _is_index(category.get("id")) and "name" in category):
+            yield f"{annotation_file}: category {category!r}: expected a name and an id, a non-negative integer"
     for annotation in data.get("annotations", []):
+        if not isinstance(annotation, dict):
+            yield f"{annotation_file}: annotation {annotation!r} is not a JSON object"
+            continue
         where = f"{annotation_file}: annotation id {annotation.get('id')!r}"
+        if "image_id" not in annotation or "id" not in annotation:
+            yield f"{where}: expected an id and an image_id"
         if not _is_index(annotation.get("category_id")):
-            raise ValueError(f"{where}: category_id {annotation.get('category_id')!r} is not a non-negative integer")
+            yield f"{where}: category_id {annotation.get('category_id')!r} is not a non-negative integer"
         box = annotation.get("bbox")
         if not (isinstance(box, list) and len(box) == 4 and all(_is_number(v) and math.isfinite(v) for v in box)):
-            raise ValueError(f"{where}: bbox {box!r} is not four finite numbers (x, y, width, height)")
+            yield f"{where}: bbox {box!r} is not four finite numbers (x, y, width, height)"
+    if not data.get("images"):
+        yield f"{annotation_file}: the {split} split has no images"
 
 
 def _is_number(value) -> bool:
@@ -59,7 +74,7 @@ class CocoDetection:
     """`root/{split}2017/` images and `root/annotations/instances_{split}2017.json`. Crowd boxes are
     dropped, boxes clipped to the image, degenerate boxes removed (as the authors)."""
 
-    def __init__(self, root, split: str, transforms=None, skip_bad_images: bool = False):
+    def __init__(self, root, split: str, transforms=None, skip_bad_images: bool = False, strict: bool = True):
         root = Path(root)
         self.image_dir = root / f"{split}2017"
         self.annotation_file = root / "annotations" / f"instances_{split}2017.json"
@@ -68,9 +83,15 @@ class CocoDetection:
                 raise FileNotFoundError(f"COCO {split} split: {path} does not exist (data.coco_path is {root})")
         from pycocotools.coco import COCO
 
-        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
-            self.coco = COCO(str(self.annotation_file))
-        check_annotations(self.coco.dataset, self.annotation_file)
+        data = read_json(self.annotation_file)  # not JSON: the file, line and column
+        # strict: stop at the first problem; else keep them all for the check command
+        self.problems, self.notes = list(annotation_problems(data, self.annotation_file, split)), []
+        if strict and self.problems:
+            raise ValueError(self.problems[0])
+        self.coco = COCO()
+        self.coco.dataset = data if isinstance(data, dict) else {}
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(KeyError, TypeError):
+            self.coco.createIndex()  # pycocotools prints its progress; malformed entries: listed problems
         self.ids = sorted(self.coco.imgs)
         self.transforms = transforms
         self.skip_bad_images = skip_bad_images

@@ -22,12 +22,13 @@ from PIL import Image
 
 from ..config import Config, config_to_dict, load_config
 from ..data import build_dataset, collate
+from ..data.classes import describe_match, match_classes
 from ..data.transforms import normalize, resize
 from ..models import post_process
 from ..weights import conversion
 from ..weights.loading import config_from_weights, load_trained_model
 from .attention_points import encoder_queries, in_pixels, recording
-from .evaluation import evaluate, evaluation_batch_size, name_mismatches
+from .evaluation import evaluate, evaluation_batch_size
 from .inputs import as_image, find_inputs, open_image
 from .visualize import draw_detections, pr_curves
 
@@ -162,17 +163,21 @@ class Detector:
         )
 
     def evaluate(
-        self, coco_path=None, split: str = "val", batch_size: int | None = None, output_dir=None, verbose: bool = False
+        self, path=None, split: str = "val", batch_size: int | None = None, output_dir=None, verbose: bool = False
     ) -> dict:
-        """COCO box AP on `split` of the config's dataset (`coco_path`: its files elsewhere) -> what
-        eval_results.json holds: the 12 numbers and "per_class". With `output_dir`, writes there
-        eval_results.json, detections_{split}.json (COCO results format) and pr_curves.png."""
-        data = self.cfg.data if coco_path is None else dataclasses.replace(self.cfg.data, coco_path=str(coco_path))
+        """COCO box AP on `split` of the config's dataset (`path`: its files elsewhere, as `data.path`:
+        a folder, or YOLO's data.yaml) -> what eval_results.json holds: the 12 numbers and "per_class".
+        The model's classes meet the dataset's by name (data/classes.py; the lines that say how go to
+        stderr). With `output_dir`, writes there eval_results.json, detections_{split}.json (COCO
+        results format) and pr_curves.png."""
+        data = self.cfg.data if path is None else dataclasses.replace(self.cfg.data, path=str(path))
         dataset = build_dataset(split, data)
-        for message in name_mismatches(self.class_names, dataset):
-            print(f"warning: {message}", file=sys.stderr)
+        class_map = match_classes(self.class_names, dataset.class_names())
+        for line in describe_match(self.class_names, dataset.class_names(), class_map, dataset.annotation_file):
+            print(line, file=sys.stderr)
         batch_size = batch_size or evaluation_batch_size(self.cfg)
-        evaluation = evaluate(self.model, dataset, batch_size, data.num_workers, verbose=verbose)
+        backend = self.cfg.evaluation.backend
+        evaluation = evaluate(self.model, dataset, batch_size, data.num_workers, verbose, backend, class_map)
         if output_dir is not None:
             output_dir = Path(output_dir)
             output_dir.mkdir(parents=True, exist_ok=True)

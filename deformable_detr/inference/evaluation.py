@@ -1,5 +1,5 @@
-"""COCO box AP of a model on a COCO-format split, with pycocotools: `evaluate`, for training and
-eval.py alike, overall and per category."""
+"""COCO box AP of a model on a COCO-format split, with pycocotools or faster-coco-eval
+(`evaluation_backends.py`): `evaluate`, for training and eval.py alike, overall and per category."""
 
 import contextlib
 import io
@@ -10,7 +10,9 @@ import numpy as np
 from tqdm import tqdm
 
 from ..data import DataLoader
+from ..data.classes import to_dataset_classes
 from ..models import post_process
+from .evaluation_backends import resolve_backend, run_cocoeval
 
 STAT_NAMES = ["AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl"]
 PER_CLASS_NAMES = ["AP", "AP50", "AP75", "APs", "APm", "APl"]  # pycocotools' first six, for one category
@@ -23,13 +25,22 @@ class Evaluation:
     curves: dict  # {category name: precision at 101 recalls, IoU 0.5, -1 where undefined}
 
 
-def evaluate(model, dataset, batch_size: int = 2, num_workers: int = 2, verbose: bool = False) -> Evaluation:
-    """COCO box AP of `model` on `dataset` (its val split). `verbose` prints pycocotools' summary.
-    The model is left in the mode it was in."""
+def evaluate(
+    model,
+    dataset,
+    batch_size: int = 2,
+    num_workers: int = 2,
+    verbose: bool = False,
+    backend: str = "auto",
+    class_map: dict | None = None,
+) -> Evaluation:
+    """COCO box AP of `model` on `dataset` (its val split). `verbose` prints the 12-line summary;
+    `backend`: evaluation.backend; `class_map`: {model's category id: dataset's} (data/classes.py,
+    the classes met by name; None: the same ids). The model is left in the mode it was in."""
     training = model.training
-    detections = predict_detections(model, dataset, batch_size, num_workers)
+    detections = to_dataset_classes(predict_detections(model, dataset, batch_size, num_workers), class_map)
     model.train(training)
-    evaluator = coco_evaluator(dataset.coco, detections, verbose)
+    evaluator = coco_evaluator(dataset.coco, detections, verbose, backend)
     return Evaluation(summary(evaluator, dataset.coco), detections, precision_at_50(evaluator, dataset.coco))
 
 
@@ -73,27 +84,23 @@ def coco_results(results: list, targets: list) -> list:
     return records
 
 
-def coco_stats(coco_gt, detections: list, verbose: bool = True) -> dict:
-    """pycocotools' bbox evaluation: the 12 summary numbers by name (printed when verbose), and
+def coco_stats(coco_gt, detections: list, verbose: bool = True, backend: str = "auto") -> dict:
+    """COCO's bbox evaluation: the 12 summary numbers by name (printed when verbose), and
     "per_class"."""
-    return summary(coco_evaluator(coco_gt, detections, verbose), coco_gt)
+    return summary(coco_evaluator(coco_gt, detections, verbose, backend), coco_gt)
 
 
-def coco_evaluator(coco_gt, detections: list, verbose: bool = True):
-    """pycocotools' COCOeval (bbox), evaluated, accumulated and summarised; None without detections
-    of the set's categories."""
-    from pycocotools.cocoeval import COCOeval
-
+def coco_evaluator(coco_gt, detections: list, verbose: bool = True, backend: str = "auto"):
+    """COCOeval (bbox) of `backend` (evaluation.backend), evaluated, accumulated and summarised; None
+    without detections of the set's categories."""
+    backend = resolve_backend(backend)
     known = set(coco_gt.getCatIds())
     detections = [d for d in detections if d["category_id"] in known]  # classes the set does not have
     if not detections:
         return None
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
     with quiet:
-        evaluator = COCOeval(coco_gt, coco_gt.loadRes(detections), "bbox")
-        evaluator.evaluate()
-        evaluator.accumulate()
-        evaluator.summarize()
+        evaluator = run_cocoeval(coco_gt, detections, backend)
     return evaluator
 
 
@@ -127,17 +134,6 @@ def precision_at_50(evaluator, coco_gt) -> dict:
     precision, params = evaluator.eval["precision"], evaluator.params
     at_50 = precision[params.iouThrs == 0.5][0]
     return {coco_gt.cats[c]["name"]: at_50[:, k, 0, -1] for k, c in enumerate(params.catIds)}
-
-
-def name_mismatches(recorded: dict, dataset) -> list[str]:
-    """Where the model's category names (if recorded) differ from the dataset's at the same id: AP
-    would score one class's detections against another's boxes."""
-    names = dataset.class_names()
-    return [
-        f"category {i} is {recorded[i]!r} in the weights but {names[i]!r} in {dataset.annotation_file}"
-        for i in sorted(set(recorded) & set(names))
-        if recorded[i].casefold() != names[i].casefold()
-    ]
 
 
 def per_class_table(stats: dict) -> str:

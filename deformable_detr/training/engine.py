@@ -72,7 +72,9 @@ def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=Non
             last = evaluated or last
         if val is not None:
             with trainer.evaluation_weights():
-                last = last or evaluate(trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers)
+                last = last or evaluate(
+                    trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers, backend=cfg.evaluation.backend
+                )
                 run.write_results(last.stats)
                 run.write_pictures(trainer.model, val, last.curves)
     return last.stats if last is not None else None
@@ -143,7 +145,9 @@ def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val):
     cfg, evaluation = trainer.cfg, None
     if val is not None and (progress.epoch + 1) % cfg.train.eval_every == 0:
         with trainer.evaluation_weights():
-            evaluation = evaluate(trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers)
+            evaluation = evaluate(
+                trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers, backend=cfg.evaluation.backend
+            )
         stats = evaluation.stats
         run.print(f"epoch {progress.epoch}: AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}")
     means = {k: v / max(progress.step, 1) for k, v in progress.loss_sums.items()}
