@@ -74,6 +74,8 @@ class Detections:
 
     def draw(self, image=None) -> Image.Image:
         """The boxes, names and scores drawn on a copy of `image` (default: the file it came from)."""
+        if image is None and self.path is None:
+            raise ValueError("these detections are of an image given in memory: draw(image) needs it")
         image = open_image(self.path) if image is None else as_image(image)
         named = {int(label): name for label, name in zip(self.labels, self.names, strict=True)}
         return draw_detections(image, {"scores": self.scores, "labels": self.labels, "boxes": self.boxes}, named, 0.0)
