@@ -1,0 +1,5 @@
+"""Export to ONNX: the detector as one graph of standard ops on a fixed canvas (export.py's `--to onnx`).
+
+`builder.py` writes graphs; `backbone.py`, `encoding.py`, `attention.py`, `transformer.py`,
+`proposals.py` and `detector.py` mirror the MLX model's parts; `export.py` reads the weights, writes
+the file and checks it with onnxruntime. Needs the `onnx` extra (`pip install -e ".[onnx]"`)."""
