@@ -2,6 +2,8 @@
 
     python -m deformable_detr.export --to torch MODEL.safetensors OUT.pth [--config FILE]
     python -m deformable_detr.export --to huggingface MODEL.safetensors DIR [--hf-backbone timm|transformers]
+    python -m deformable_detr.export --to onnx MODEL.safetensors OUT.onnx [--size H W] [--postprocess]
+        [--batch-size N] [--sampler gather|grid_sample]    (deformable_detr/onnx_export: the `onnx` extra)
 
 `--to huggingface` writes DIR/config.json (the variant, `id2label` from the category names),
 preprocessor_config.json (the resize and normalisation) and model.safetensors in the layout of the
@@ -279,9 +281,9 @@ def export_huggingface(src, out_dir: Path, config_path=None, raw: bool = False, 
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(prog="python -m deformable_detr.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--to", choices=["torch", "huggingface"], required=True, help="the target layout")
+    parser.add_argument("--to", choices=["torch", "huggingface", "onnx"], required=True, help="the target layout")
     parser.add_argument("src", help="converted weights or a training checkpoint (.safetensors), or hf://ORG/NAME")
-    parser.add_argument("dst", type=Path, help="the .pth file to write (torch), or the folder (huggingface)")
+    parser.add_argument("dst", type=Path, help="the .pth (torch) or .onnx file to write, or the folder (huggingface)")
     parser.add_argument("--config", type=Path, help="the model's config, where the weights do not record it")
     parser.add_argument(
         "--hf-backbone",
@@ -293,11 +295,53 @@ def main(argv=None):
     parser.add_argument(
         "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
     )
+    add_onnx_arguments(parser)
     args = parser.parse_args(argv)
-    if args.to == "torch":
+    if args.to == "onnx" or onnx_options_given(args):
+        print(export_onnx_command(args))
+    elif args.to == "torch":
         print(export_torch(args.src, args.dst, args.config, args.raw_weights))
     else:
         print(export_huggingface(args.src, args.dst, args.config, args.raw_weights, args.hf_backbone))
+
+
+# --- export --to onnx (the exporter: deformable_detr/onnx_export) ---------------------------------
+
+
+def add_onnx_arguments(parser):
+    parser.add_argument(
+        "--size", type=int, nargs=2, metavar=("H", "W"), help="onnx: the canvas (default: val_size x max_size)"
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="onnx: images a run (the graph's static batch)")
+    parser.add_argument(
+        "--postprocess",
+        action="store_true",
+        help="onnx: take target_sizes, return the top-100 scores, labels, boxes in pixels",
+    )
+    parser.add_argument(
+        "--sampler", choices=["gather", "grid_sample"], default="gather", help="onnx: the attention's bilinear sampler"
+    )
+
+
+def onnx_options_given(args) -> bool:
+    return bool(args.size or args.postprocess or args.batch_size != 1 or args.sampler != "gather")
+
+
+def export_onnx_command(args) -> str:
+    from .cli import UsageError
+
+    if args.to != "onnx":
+        raise UsageError(f"--size, --batch-size, --postprocess and --sampler are for --to onnx, not --to {args.to}")
+    if args.hf_backbone != "timm":
+        raise UsageError("--hf-backbone is for --to huggingface")
+    from .config import load_config
+    from .onnx_export.export import export_onnx
+    from .weights import config_from_weights
+
+    cfg = load_config(args.config) if args.config else config_from_weights(args.src)
+    return export_onnx(
+        args.src, args.dst, cfg, args.raw_weights, args.size, args.batch_size, args.postprocess, args.sampler
+    )
 
 
 if __name__ == "__main__":

@@ -52,6 +52,17 @@ def block(g: Graph, x: str, prefix: str, bottleneck: bool, stride: int, dilation
     return g.Relu(g.Add(out, x))
 
 
+def level_sizes(cfg, canvas: tuple) -> list:
+    """[(h, w)] of every feature level on the canvas: strides 8, 16, 32 (16 with DC5), or the last
+    only, then the extra levels' 3x3 stride-2 convolutions (each strided convolution rounds up)."""
+    strides = [8, 16, 16 if cfg.dilation else 32]
+    strides = strides if cfg.num_feature_levels > 1 else strides[-1:]
+    sizes = [tuple(-(-side // stride) for side in canvas) for stride in strides]
+    while len(sizes) < cfg.num_feature_levels:
+        sizes.append(tuple(conv_size(side, 3, 2, 1) for side in sizes[-1]))
+    return sizes
+
+
 def resnet(g: Graph, images: str, model_cfg, size: tuple) -> list:
     """images (N, 3, H, W) -> [(features (N, C, h, w), (h, w))] of layer2..layer4, as ResNet."""
     kind, depths = ARCHITECTURES[model_cfg.backbone]
