@@ -128,6 +128,39 @@ def test_postprocess_graph_gives_post_process_detections(variant):
         assert_close(detections["boxes"], boxes[i], "boxes in pixels")
 
 
+def test_hugging_face_code_runs_the_file_unchanged():
+    """transformers' image processor (padded to the canvas) feeds the file, and its post-processing
+    reads the file's outputs, as for DeformableDetrForObjectDetection."""
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face processor (the dev extra)")
+    torch = pytest.importorskip("torch", reason="transformers' post-processing takes torch tensors (the dev extra)")
+    from transformers.models.deformable_detr.modeling_deformable_detr import DeformableDetrObjectDetectionOutput
+
+    model, cfg = small_model("r50_box_refine")
+    rng = np.random.default_rng(4)
+    photos = [Image.fromarray(rng.integers(0, 256, (h * 2, w * 2, 3), np.uint8)) for h, w in SIZES]
+    processor_class = getattr(
+        transformers, "DeformableDetrImageProcessorPil", transformers.DeformableDetrImageProcessor
+    )
+    processor = processor_class(size={"shortest_edge": 64, "longest_edge": 100})
+    inputs = processor(images=photos, return_tensors="np", pad_size={"height": CANVAS[0], "width": CANVAS[1]})
+    graph = build_graph(weights_of(model), cfg.model, CANVAS, batch=len(photos))
+    logits, boxes = session(graph).run(["logits", "pred_boxes"], dict(inputs))
+
+    images = mx.array(inputs["pixel_values"].transpose(0, 2, 3, 1))
+    outputs = model(images, mx.array(inputs["pixel_mask"] == 0))
+    assert_close(outputs["pred_logits"], logits, "logits")
+    target_sizes = [(p.height, p.width) for p in photos]
+    theirs = processor.post_process_object_detection(
+        DeformableDetrObjectDetectionOutput(logits=torch.from_numpy(logits), pred_boxes=torch.from_numpy(boxes)),
+        threshold=0.0,
+        target_sizes=target_sizes,
+    )
+    for ours, their in zip(post_process(outputs, target_sizes), theirs, strict=True):
+        assert_close(ours["scores"], their["scores"].numpy(), "scores")
+        np.testing.assert_array_equal(np.array(ours["labels"]), their["labels"].numpy())
+        assert_close(ours["boxes"], their["boxes"].numpy(), "boxes")
+
+
 def test_canvas_inputs_are_predicts_preprocessing():
     photo = Image.fromarray(np.random.default_rng(3).integers(0, 256, (150, 200, 3), np.uint8))
     inputs = canvas_inputs([photo], CANVAS, size=64, max_size=100)
