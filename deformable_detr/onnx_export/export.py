@@ -10,7 +10,10 @@ import numpy as np
 
 from ..cli import CommandError, UsageError
 
-TOLERANCE = 1e-4  # of the largest value: logits, boxes, scores
+# Of the largest value (logits, boxes, scores): a wrong graph is off by far more; float32 rounding
+# (folded batch norm, other summation orders) reached 4.7e-5 on R50 with random weights (the tests:
+# 5e-7 on small models, asserted to 1e-4).
+TOLERANCE = 1e-3
 
 
 def require(module: str):
