@@ -118,6 +118,7 @@ def main(argv=None):
         print(json.dumps(result))
         return
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as directory:
         exported = measured([sys.executable, __file__, "--export-to", directory], dict(os.environ), "the export")
         rows = [("ours (MLX)", run_side("ours", "inference", args.repeats, SIZE, args.threads))]
@@ -133,7 +134,9 @@ def main(argv=None):
         *versions,
         f"export: {exported['versions']}, {exported['file_mib']:.0f} MiB file, built and written in "
         + ", ".join(f"{s:.1f} s ({sampler})" for sampler, s in exported["seconds"].items()),
-        f"median of {args.repeats} after a warm-up, each side in its own process; the machine may be shared",
+        f"median of {args.repeats} after a warm-up, each side in its own process; load average (1 min) "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores (above {args.threads}: "
+        "other work shared the cores, and the times are noisy)",
         "",
         *table(rows, rows[0][1]["seconds"]),
     ]

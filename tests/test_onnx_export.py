@@ -239,3 +239,17 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "onnx", None)  # as if the extra were not installed
     with pytest.raises(SystemExit, match=r'needs the onnx package: pip install -e "\.\[onnx\]"$'):
         main(["--to", "onnx", str(path), out])
+
+
+def test_without_onnxruntime_the_file_is_written_and_says_it_is_unchecked(tmp_path, monkeypatch, capsys):
+    path, model = small_checkpoint(tmp_path, "r50_box_refine")
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    main(["--to", "onnx", str(path), str(tmp_path / "model.onnx"), "--size", "64", "96", "--batch-size", "2"])
+    assert capsys.readouterr().out.strip().endswith('not run: onnxruntime is not installed (pip install -e ".[onnx]")')
+    monkeypatch.undo()
+    images, mask = padded_batch()
+    images, mask = images[:2, :64, :96], mask[:2, :64, :96]
+    logits = ort.InferenceSession(str(tmp_path / "model.onnx")).run(
+        ["logits"], {"pixel_values": images.transpose(0, 3, 1, 2).copy(), "pixel_mask": (~mask).astype(np.int64)}
+    )[0]
+    assert_close(model(mx.array(images), mx.array(mask))["pred_logits"], logits, "logits")
