@@ -1,5 +1,5 @@
-"""The deformable transformer as ONNX: encoder, decoder with box refinement, two-stage proposals
-(their TopK inside the graph). Mirrors deformable_transformer.py; tokens (N, L, d)."""
+"""The deformable transformer as ONNX: encoder, decoder with box refinement, the single-stage
+queries (two-stage's: proposals.py). Mirrors deformable_transformer.py; tokens (N, L, d)."""
 
 import numpy as np
 
