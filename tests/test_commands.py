@@ -162,9 +162,9 @@ def cases(data, tmp):
         "export missing weights": (EXPORT, ["--to", "torch", nowhere, str(tmp / "out.pth")], 1, missing_weights),
         "export bad argument": (
             EXPORT,
-            ["--to", "onnx", nowhere, str(tmp / "out.pth")],
+            ["--to", "tflite", nowhere, str(tmp / "out.pth")],
             2,
-            "--to: invalid choice: 'onnx'",
+            "--to: invalid choice: 'tflite'",
         ),
         "shapes bad argument": (
             SHAPES,

@@ -24,6 +24,7 @@ from ..config import Config, config_to_dict, load_config
 from ..data import build_dataset, collate
 from ..data.classes import describe_match, match_classes
 from ..data.transforms import normalize, resize
+from ..deploy.onnx.export import export_onnx
 from ..models import post_process
 from ..weights import conversion
 from ..weights.loading import config_from_weights, load_trained_model
@@ -188,9 +189,12 @@ class Detector:
             pr_curves(evaluation.curves, output_dir / "pr_curves.png")
         return evaluation.stats
 
-    def export(self, to: str, path, hf_backbone: str = "timm") -> str:
-        """The weights to another framework's layout: `to` "torch" (the authors' `.pth`) or "huggingface"
-        (a folder for transformers' from_pretrained; `hf_backbone` timm or transformers). -> a summary."""
+    def export(self, to: str, path, hf_backbone: str = "timm", **canvas) -> str:
+        """The model for another framework: `to` "torch" (the authors' `.pth`), "huggingface" (a folder
+        for transformers' from_pretrained; `hf_backbone` timm or transformers), or "onnx" (the forward on
+        a fixed canvas: `size` (H, W), `batch_size`, `postprocess`, `sampler`; deploy/onnx). -> a summary."""
+        if to == "onnx":
+            return export_onnx(self.model, self.cfg, Path(path), **canvas)
         weights = {k: np.array(v) for k, v in tree_flatten(self.model.parameters())}
         source = self.source or "the model"
         if to == "torch":
@@ -199,7 +203,7 @@ class Detector:
             return conversion.export_huggingface(
                 weights, config_to_dict(self.cfg), self.class_names, Path(path), hf_backbone, source
             )
-        raise ValueError(f"export to {to!r}: expected torch or huggingface")
+        raise ValueError(f"export to {to!r}: expected torch, huggingface or onnx")
 
 
 def _dataset_names(cfg: Config) -> dict:

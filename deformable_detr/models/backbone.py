@@ -189,12 +189,12 @@ class ResNet(nn.Module):
 
 def resize_mask(mask: mx.array, height: int, width: int) -> mx.array:
     """Nearest resize of a (B, H, W) bool mask, as `F.interpolate(mode="nearest")`."""
-    rows = _nearest_indices(mask.shape[1], height)
-    cols = _nearest_indices(mask.shape[2], width)
+    rows = nearest_indices(mask.shape[1], height)
+    cols = nearest_indices(mask.shape[2], width)
     return mask[:, rows][:, :, cols]
 
 
-def _nearest_indices(size_in: int, size_out: int) -> mx.array:
+def nearest_indices(size_in: int, size_out: int) -> mx.array:
     scale = np.float32(size_in) / np.float32(size_out)
     index = np.floor(np.arange(size_out, dtype=np.float32) * scale).astype(np.int32)
     return mx.array(np.minimum(index, size_in - 1))

@@ -1,0 +1,147 @@
+"""R50 Deformable DETR inference on the CPU where a model is deployed, in one run: this port (MLX),
+onnxruntime on this port's exported ONNX file, and PyTorch (Hugging Face's model).
+
+    python bench/deploy.py [--repeats 3] [--threads N] [--output-dir DIR]
+
+configs/r50.yaml with random weights, batch 1 at 800 x 1066 (the authors' evaluation size). Ours
+and PyTorch are measured by bench/model.py's own processes (its inference row, the same code);
+onnxruntime runs the file `export --to onnx --size 800 1066` writes (the canvas the image fills),
+once with each sampler (gather, the default; grid_sample), on all `--threads` cores
+(intra_op_num_threads) with its default graph optimisations, as a CPU server would run it. Each
+side runs in its own process and reports its median over `--repeats` after a warm-up and its peak
+resident memory; the export runs in a process of its own first and is timed.
+Writes `deploy_cpu.txt` to --output-dir (default bench/results).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
+# the measuring processes (bench/model.py's too) import this checkout's package, installed or not
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
+
+from common import measured, median_time, report  # noqa: E402
+from model import SIZE, run_side  # noqa: E402
+
+SAMPLERS = ("gather", "grid_sample")
+
+
+def export(directory: Path) -> dict:
+    """configs/r50.yaml, random weights (MLX's initialisation, seed 0) -> r50_<sampler>.onnx for
+    each sampler, as `export --to onnx` builds them (no onnxruntime check: timed alone)."""
+    from deformable_detr import build_model, load_config
+    from deformable_detr.deploy.onnx.detector import build_graph
+
+    import mlx.core as mx
+    import numpy as np
+    import onnx
+    from mlx.utils import tree_flatten
+
+    cfg = load_config(ROOT / "configs" / "r50.yaml", ["model.dropout=0.0"])
+    mx.random.seed(0)
+    weights = {k: np.array(v) for k, v in tree_flatten(build_model(cfg).parameters())}
+    seconds = {}
+    for sampler in SAMPLERS:
+        start = time.perf_counter()
+        onnx.save(build_graph(weights, cfg.model, SIZE, sampler=sampler), str(directory / f"r50_{sampler}.onnx"))
+        seconds[sampler] = time.perf_counter() - start
+    size_mib = (directory / "r50_gather.onnx").stat().st_size / 2**20
+    return {"seconds": seconds, "file_mib": size_mib, "versions": f"onnx {onnx.__version__}"}
+
+
+def measure_onnxruntime(path: Path, repeats: int, threads: int) -> dict:
+    import numpy as np
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    inputs = {
+        "pixel_values": rng.standard_normal((1, 3, *SIZE)).astype(np.float32),
+        "pixel_mask": np.ones((1, *SIZE), np.int64),
+    }
+    seconds = median_time(lambda: session.run(None, inputs), repeats)
+    return {"seconds": seconds, "versions": f"onnxruntime {onnxruntime.__version__} (CPUExecutionProvider)"}
+
+
+def run_onnxruntime(path: Path, repeats: int, threads: int) -> dict:
+    """onnxruntime in its own process, glibc's malloc set as our commands set it (as model.py does PyTorch's)."""
+    from deformable_detr import runtime
+
+    env = runtime.malloc_environment({k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", *runtime.MALLOC)})
+    command = [sys.executable, __file__, "--measure", str(path), "--repeats", str(repeats), "--threads", str(threads)]
+    return measured(command, env, f"onnxruntime on {path.name}")
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def table(rows: list, ours: float) -> list:
+    lines = ["| runtime | s / image | its time / ours (> 1: slower than ours) | peak RSS MiB |"]
+    lines.append("| --- | ---: | ---: | ---: |")
+    for name, result in rows:
+        lines.append(
+            f"| {name} | {result['seconds']:.2f} | {result['seconds'] / ours:.2f} | {result['peak_rss_mib']:.0f} |"
+        )
+    return lines
+
+
+@entry_point(runtime=False)
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # an ONNX file: onnxruntime's process
+    parser.add_argument("--export-to", type=Path, help=argparse.SUPPRESS)  # the export's process
+    args = parser.parse_args(argv)
+    if args.measure or args.export_to:
+        result = (
+            measure_onnxruntime(args.measure, args.repeats, args.threads) if args.measure else export(args.export_to)
+        )
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result))
+        return
+
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as directory:
+        exported = measured([sys.executable, __file__, "--export-to", directory], dict(os.environ), "the export")
+        rows = [("ours (MLX)", run_side("ours", "inference", args.repeats, SIZE, args.threads))]
+        for sampler in SAMPLERS:
+            result = run_onnxruntime(Path(directory) / f"r50_{sampler}.onnx", args.repeats, args.threads)
+            rows.append((f"onnxruntime, our ONNX file ({sampler} sampler)", result))
+        rows.append(("PyTorch (transformers)", run_side("torch", "inference", args.repeats, SIZE, args.threads)))
+    versions = sorted({f"{name.split(' (')[0]}: {result['versions']}" for name, result in rows})
+    lines = [
+        f"R50 Deformable DETR inference, batch 1, {SIZE[0]} x {SIZE[1]}, random weights (configs/r50.yaml)",
+        f"CPU: {cpu_model()}, {args.threads} threads for each side; {datetime.date.today().isoformat()}; "
+        f"python {platform.python_version()}",
+        *versions,
+        f"export: {exported['versions']}, {exported['file_mib']:.0f} MiB file, built and written in "
+        + ", ".join(f"{s:.1f} s ({sampler})" for sampler, s in exported["seconds"].items()),
+        f"median of {args.repeats} after a warm-up, each side in its own process; load average (1 min) "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores (above {args.threads}: "
+        "other work shared the cores, and the times are noisy)",
+        "",
+        *table(rows, rows[0][1]["seconds"]),
+    ]
+    report(lines, args.output_dir / "deploy_cpu.txt")
+
+
+if __name__ == "__main__":
+    main()
