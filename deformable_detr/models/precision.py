@@ -1,5 +1,7 @@
-"""Mixed precision (`train.precision: bfloat16`): the weights stay float32 (so do AdamW's moments); in
-the forward, every weight but the normalisations' is used as a bfloat16 copy (`computing_in`), so
+"""The normalisations, which compute in float32 whatever the precision (`LayerNorm`, `GroupNorm`, the
+backbone's `FrozenBatchNorm2d`), and mixed precision (`train.precision: bfloat16`): the weights stay
+float32 (so do AdamW's moments); in the forward, every weight but the normalisations' is used as a
+bfloat16 copy (`computing_in`), so
 convolutions, linears and the attention's values compute in bfloat16, while the normalisations
 (`LayerNorm`, `GroupNorm`, frozen batch norm), the softmaxes, the sampling locations and the
 attention core's accumulation compute in float32; the outputs go to the losses and the matching in
@@ -54,7 +56,7 @@ class FrozenBatchNorm2d(nn.Module):
         self.freeze()
 
     def __call__(self, x):
-        scale = self.weight * mx.rsqrt(self.running_var + self.eps)  # in float32 (precision.py)
+        scale = self.weight * mx.rsqrt(self.running_var + self.eps)  # float32: `computing_in` keeps it
         return x * to(scale, x.dtype) + to(self.bias - self.running_mean * scale, x.dtype)
 
 

@@ -1,6 +1,6 @@
 """Recomputation in the backward (`train.activation_checkpointing`, the field's name for it): a layer's
 intermediates are recomputed in the backward instead of kept from the forward, trading compute for
-memory. (Not to be confused with checkpoint files, `weights.py`.)
+memory. (Not to be confused with checkpoint files, `weights/checkpoint.py`.)
 
 A recomputation must draw the same dropout masks as the forward, or the gradient is that of another
 network. So each checkpointable unit takes one key from MLX's generator, and the `Dropout` layers

@@ -1,4 +1,4 @@
-"""The ResNet and the input projections as ONNX (NCHW), mirroring backbone.py and model.py.
+"""The ResNet and the input projections as ONNX (NCHW), mirroring models/backbone.py and models/deformable_detr.py.
 
 Frozen batch norm is folded into the convolution before it: conv(x, W) * s + t with
 s = weight / sqrt(running_var + eps) and t = bias - running_mean * s is conv(x, W * s) + t, one Conv

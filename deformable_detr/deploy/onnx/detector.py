@@ -1,6 +1,6 @@
 """The whole detector as one ONNX graph on a fixed canvas, inputs and outputs as transformers names
 them; `--postprocess` adds the top-k detections in pixels. Mirrors DeformableDETR.__call__ and
-post_process (model.py)."""
+post_process (models/deformable_detr.py)."""
 
 import numpy as np
 import onnx
