@@ -23,6 +23,7 @@ from pathlib import Path
 from deformable_detr import build_model, load_config
 from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import DataLoader, build_dataset, num_classes_for
+from deformable_detr.errors import UsageError
 from deformable_detr.inference.evaluation import evaluate, evaluation_batch_size, per_class_table
 from deformable_detr.training.engine import Progress, fit
 from deformable_detr.training.run_directory import RESUME_HERE, RunDirectory
@@ -91,6 +92,8 @@ def main(argv=None):
     cfg = load_config(args.config, args.overrides)
     group = mx.distributed.init()
     process_share(cfg, group.size())  # a batch that does not split over the processes: a usage error, at once
+    if cfg.train.early_stop_patience and not cfg.train.eval_every:
+        raise UsageError("train.early_stop_patience counts evaluations: it needs train.eval_every above 0")
     train_set = build_dataset("train", cfg.data)
     cfg.model.num_classes = num_classes_for(train_set, cfg.model.num_classes)
     output_dir = args.output_dir or Path("output") / Path(args.config).stem
