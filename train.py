@@ -27,6 +27,7 @@ from deformable_detr.errors import UsageError
 from deformable_detr.inference.evaluation import evaluate, evaluation_batch_size, per_class_table
 from deformable_detr.training.engine import Progress, fit
 from deformable_detr.training.run_directory import RESUME_HERE, RunDirectory
+from deformable_detr.training.tensorboard import require_tensorboard
 from deformable_detr.training.trainer import Trainer, process_share
 from deformable_detr.weights.checkpoint import load_checkpoint
 from deformable_detr.weights.loading import load_for_finetuning, load_model_weights
@@ -86,14 +87,21 @@ def evaluate_only(args, cfg, class_names: dict, run: RunDirectory):
         run.print(json.dumps({k: v for k, v in stats.items() if k != "per_class"}, indent=2))
 
 
+def check_settings(cfg, processes: int):
+    """What the config asks that cannot be done, at once, before anything is built or written."""
+    process_share(cfg, processes)  # a batch that does not split over the processes: a usage error
+    if cfg.train.early_stop_patience and not cfg.train.eval_every:
+        raise UsageError("train.early_stop_patience counts evaluations: it needs train.eval_every above 0")
+    if cfg.train.tensorboard:
+        require_tensorboard()
+
+
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     group = mx.distributed.init()
-    process_share(cfg, group.size())  # a batch that does not split over the processes: a usage error, at once
-    if cfg.train.early_stop_patience and not cfg.train.eval_every:
-        raise UsageError("train.early_stop_patience counts evaluations: it needs train.eval_every above 0")
+    check_settings(cfg, group.size())
     train_set = build_dataset("train", cfg.data)
     cfg.model.num_classes = num_classes_for(train_set, cfg.model.num_classes)
     output_dir = args.output_dir or Path("output") / Path(args.config).stem

@@ -160,6 +160,7 @@ def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val):
             evaluation = evaluate(
                 trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers, backend=cfg.evaluation.backend
             )
+            run.draw_evaluation(trainer.model, val, evaluation.curves, progress.global_step)  # TensorBoard's
         stats = evaluation.stats
         run.print(f"epoch {progress.epoch}: AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}")
     means = {k: v / max(progress.step, 1) for k, v in progress.loss_sums.items()}

@@ -6,6 +6,7 @@ log.jsonl               a JSON record per step, per epoch and per evaluation
 checkpoint.safetensors  the model, optimizer state and progress (`weights/checkpoint.py`)
 checkpoint_best.safetensors   the same, as it was after the evaluation of highest AP
 eval_results.json, predictions.png, curves.png, pr_curves.png   at the end
+tensorboard/            with train.tensorboard: event files (`tensorboard.py`)
 
 A run starts afresh or continues a checkpoint (`starting_point`); a fresh run into a directory that
 holds one stops before writing anything, unless told to overwrite it. A file that cannot be written
@@ -29,6 +30,7 @@ from ..inference.visualize import grid, plot_curves, pr_curves
 from ..weights.checkpoint import save_checkpoint, saved_progress
 from ..weights.files import write_errors_named
 from .run_lock import RunLock
+from .tensorboard import TensorBoard
 
 RESUME_HERE = "the output directory's checkpoint"  # train.py's --resume without a path
 # What a run writes, removed when another starts afresh in its directory (--overwrite)
@@ -46,6 +48,7 @@ class RunDirectory:
         self.log_path = self.path / "log.jsonl"
         self.lock = RunLock(self.path)
         self._log, self._previous = None, []  # the files of an earlier run, removed by start_writing
+        self._tensorboard = None
         if is_main:
             self.path.mkdir(parents=True, exist_ok=True)
 
@@ -104,6 +107,10 @@ class RunDirectory:
         self.write_config()
         with self._writing(self.log_path):
             self._log = open(self.log_path, "a")
+        if self.cfg.train.tensorboard:
+            first = progress["global_step"] + 1 if progress is not None else None
+            with self._writing(self.path / "tensorboard"):
+                self._tensorboard = TensorBoard(self.path / "tensorboard", purge_step=first)
 
     def write_config(self):
         """config.yaml: the config as resolved (the memory plan's choices in place of `auto`), printed."""
@@ -121,6 +128,10 @@ class RunDirectory:
             with contextlib.suppress(OSError):  # what it holds was flushed with each record
                 self._log.close()
             self._log = None
+        if self._tensorboard is not None:
+            with contextlib.suppress(OSError):  # likewise
+                self._tensorboard.close()
+            self._tensorboard = None
         self.lock.release()
 
     def print(self, message: str):
@@ -128,10 +139,26 @@ class RunDirectory:
             tqdm.write(message)
 
     def log(self, record: dict):
+        """A record of log.jsonl; a step's or an evaluation's scalars in TensorBoard too."""
         if self._log is not None:
             with self._writing(self.log_path):
                 self._log.write(json.dumps(record) + "\n")
                 self._log.flush()
+        if self._tensorboard is not None and (("loss" in record and "step" in record) or "eval" in record):
+            with self._writing(self.path / "tensorboard"):
+                self._tensorboard_scalars(record)
+                self._tensorboard.flush()  # record by record, as the log: what TensorBoard shows is current
+
+    def _tensorboard_scalars(self, record: dict):
+        step = record["global_step"]
+        if "eval" not in record:
+            counters = ("epoch", "step", "global_step")
+            self._tensorboard.scalars({k: v for k, v in record.items() if k not in counters}, step, "train")
+            return
+        stats = record["eval"]
+        self._tensorboard.scalars({k: v for k, v in stats.items() if k != "per_class"}, step, "val")
+        per_class = {name: values["AP"] for name, values in stats.get("per_class", {}).items()}
+        self._tensorboard.scalars(per_class, step, "val_AP_per_class")
 
     def resume(self, checkpoint, progress: dict):
         """Before the log is opened: a run killed after its last checkpoint (kill -9, a power cut)
@@ -178,13 +205,8 @@ class RunDirectory:
         against recall per category (`pr`, `Evaluation.curves`)."""
         if not self.is_main:
             return
-        training = model.training
-        detector = Detector(model, self.cfg, val.class_names())
-        images = [val.load(index)[0] for index in range(min(count, len(val)))]
-        drawn = [result.draw(image) for image, result in zip(images, detector.predict(images, threshold), strict=True)]
-        model.train(training)
         with self._writing(self.path / "predictions.png"):
-            grid(drawn).save(self.path / "predictions.png")
+            predictions_grid(model, self.cfg, val, count, threshold).save(self.path / "predictions.png")
         with self._writing(self.path / "pr_curves.png"):
             pr_curves(pr, self.path / "pr_curves.png")
         records = [json.loads(line) for line in self.log_path.read_text().splitlines()]
@@ -197,6 +219,28 @@ class RunDirectory:
                 },
                 self.path / "curves.png",
             )
+
+    def draw_evaluation(self, model, val, pr: dict, step: int, count: int = 6, threshold: float = 0.3):
+        """With TensorBoard: the pictures of an evaluation (as `write_pictures` draws them at the end)
+        at its global `step`; `model` with the weights evaluated."""
+        if self._tensorboard is None:
+            return
+        predictions = predictions_grid(model, self.cfg, val, count, threshold)
+        with self._writing(self.path / "tensorboard"):
+            self._tensorboard.image("val/predictions", predictions, step)
+            self._tensorboard.image("val/pr_curves", pr_curves(pr), step)
+            self._tensorboard.flush()
+
+
+def predictions_grid(model, cfg: Config, val, count: int, threshold: float):
+    """The first `count` val images with what `model` finds there (scores >= threshold), in a grid;
+    the model is left in the mode it was in."""
+    training = model.training
+    detector = Detector(model, cfg, val.class_names())
+    images = [val.load(index)[0] for index in range(min(count, len(val)))]
+    drawn = [result.draw(image) for image, result in zip(images, detector.predict(images, threshold), strict=True)]
+    model.train(training)
+    return grid(drawn)
 
 
 def describe_checkpoint(path) -> str:
