@@ -50,7 +50,7 @@ def test_a_second_run_into_a_directory_in_use_stops_at_once_and_leaves_the_first
             line = assert_one_clean_line(second, 1)
             assert re.fullmatch(
                 re.escape(f"error: {output} is in use by another run (process {first.pid} on {socket.gethostname()}, ")
-                + r"since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(\d+ s ago\); "
+                + r"since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \([\d.]+ (s|min|h) ago\); "
                 + re.escape(f"the lock: {output / '.lock'}): a second run would interleave its log and overwrite its ")
                 + re.escape("checkpoints; wait for it to end, or use another --output-dir"),
                 line,

@@ -98,7 +98,10 @@ class RunDirectory:
             return
         for path in self._previous:
             with self._writing(path):
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
         if self._previous:
             names = ", ".join(p.name for p in self._previous)
             self.print(f"started afresh: removed the earlier run's {names} from {self.path}")
