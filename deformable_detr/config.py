@@ -107,6 +107,11 @@ class TrainConfig:
     precision: str = field(default="float32", metadata={"choices": ("float32", "bfloat16")})
     ema_decay: float = field(default=0.0, metadata={"range": (0.0, 1.0)})  # an EMA of the weights (0: none)
     ema_warmup: int = 2000  # steps over which the EMA's decay rises to ema_decay
+    # stop after this many evaluations without a higher val AP (0: never)
+    early_stop_patience: int = field(default=0, metadata={"range": (0, 1 << 31)})
+    # TensorBoard event files under <run>/tensorboard/: the step records' scalars, each evaluation's
+    # AP and pictures (needs the tensorboard package: pip install -e ".[tensorboard]")
+    tensorboard: bool = False
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 - `UsageError`: what the user typed is wrong (an argument, a config file, key or value): exit 2;
 - `CommandError`: a failure of the work, with its exit status (1, or 128 + a signal's number);
-- `ConversionError`: weights that cannot be converted; the message names the file and key."""
+- `ConversionError`: weights that cannot be converted; the message names the file and key;
+- `WriteError`: a file that could not be written, named with the system's reason (exit 1)."""
 
 
 class CommandError(Exception):
@@ -23,3 +24,12 @@ class UsageError(CommandError, ValueError):
 
 class ConversionError(ValueError):
     """A checkpoint that cannot be converted; the message says which file and key."""
+
+
+class WriteError(CommandError):
+    """A file that could not be written: `path` and the system's `reason` ("No space left on device");
+    the file there before, if any, is as it was (every weights file is written beside it and renamed)."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path}: cannot write it: {reason}")
+        self.path, self.reason = path, reason

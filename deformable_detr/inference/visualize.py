@@ -75,9 +75,10 @@ def plot_curves(series: dict, path, title: str = "", size=(720, 300)):
     canvas.save(path)
 
 
-def pr_curves(curves: dict, path, columns: int = 5, size=(240, 200)):
+def pr_curves(curves: dict, path=None, columns: int = 5, size=(240, 200)) -> Image.Image:
     """A panel per category: precision against recall at IoU 0.5 (pycocotools' 101 recall points;
-    where precision is undefined, -1, nothing is drawn), its AP50 in the title."""
+    where precision is undefined, -1, nothing is drawn), its AP50 in the title; saved to `path`
+    where given, returned."""
     names = list(curves)
     rows = max((len(names) + columns - 1) // columns, 1)
     width, height = size
@@ -102,7 +103,9 @@ def pr_curves(curves: dict, path, columns: int = 5, size=(240, 200)):
         pen.text((x0 + 4, bottom - 8), "0", fill="black")
         pen.text((left, bottom + 4), "recall 0", fill="black")
         pen.text((right - 12, bottom + 4), "1", fill="black")
-    canvas.save(path)
+    if path is not None:
+        canvas.save(path)
+    return canvas
 
 
 LEVEL_COLOURS = [(255, 48, 48), (255, 196, 0), (0, 200, 255), (190, 80, 255), (80, 220, 80), (255, 120, 200)]

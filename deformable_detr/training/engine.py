@@ -9,7 +9,9 @@ stops it:
   batch not taken), one line naming the image and the way on.
 - a non-finite loss, running out of memory, or anything else: one line (anything else: its
   traceback in log.jsonl); no checkpoint is written, so the last one stays as it was.
-In every case the data loader's threads are stopped first, so the process exits normally."""
+In every case the data loader's threads are stopped first, so the process exits normally.
+`train.early_stop_patience` N ends the schedule early, after N evaluations without a higher AP (the
+best kept as checkpoint_best), with a line saying so: a normal end."""
 
 import contextlib
 import dataclasses
@@ -17,6 +19,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 from tqdm import tqdm
 
 from ..errors import CommandError
@@ -38,6 +41,8 @@ class Progress:
     loss_sums: dict = field(default_factory=dict)  # over this epoch's steps, for its mean
     seconds: float = 0.0  # this epoch's, in steps
     best_ap: float = -1.0  # the highest val AP so far (checkpoint_best.safetensors)
+    best_epoch: int = -1  # the epoch it was evaluated after
+    evaluations_since_best: int = 0  # evaluations since, none higher (train.early_stop_patience)
 
     @classmethod
     def from_checkpoint(cls, progress: dict) -> "Progress":
@@ -64,6 +69,13 @@ def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=Non
     last = None  # evaluation
     with StopSignals() as signals, stopping_cleanly(trainer, run, progress):
         while progress.epoch < cfg.schedule.epochs and progress.global_step < (cfg.train.max_steps or math.inf):
+            if stopped_early(trainer, progress):
+                run.print(
+                    f"stopped early: no higher val AP in {progress.evaluations_since_best} evaluations "
+                    f"(train.early_stop_patience); the best, AP {progress.best_ap:.3f} after epoch "
+                    f"{progress.best_epoch}: {run.best_checkpoint}"
+                )
+                break
             train_one_epoch(trainer, loader, run, progress, signals)
             evaluated, best = (
                 end_epoch(trainer, run, progress, val) if progress.step == loader.batches_per_epoch() else (None, False)
@@ -148,6 +160,7 @@ def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val):
             evaluation = evaluate(
                 trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers, backend=cfg.evaluation.backend
             )
+            run.draw_evaluation(trainer.model, val, evaluation.curves, progress.global_step)  # TensorBoard's
         stats = evaluation.stats
         run.print(f"epoch {progress.epoch}: AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}")
     means = {k: v / max(progress.step, 1) for k, v in progress.loss_sums.items()}
@@ -162,7 +175,19 @@ def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val):
     )
     best = evaluation is not None and evaluation.stats["AP"] > progress.best_ap
     if evaluation is not None:
-        run.log({"epoch": progress.epoch, "eval": evaluation.stats})
-        progress.best_ap = max(progress.best_ap, evaluation.stats["AP"])
+        run.log({"epoch": progress.epoch, "global_step": progress.global_step, "eval": evaluation.stats})
+        progress.evaluations_since_best = 0 if best else progress.evaluations_since_best + 1
+        if best:
+            progress.best_ap, progress.best_epoch = evaluation.stats["AP"], progress.epoch
     progress.next_epoch()
     return evaluation, best
+
+
+def stopped_early(trainer: Trainer, progress: Progress) -> bool:
+    """`train.early_stop_patience` evaluations without a higher AP; every process agrees (the main
+    one alone evaluates: the others' count stays 0)."""
+    patience = trainer.cfg.train.early_stop_patience
+    stop = patience > 0 and progress.evaluations_since_best >= patience
+    if trainer.world_size > 1:
+        stop = mx.distributed.all_sum(mx.array(int(stop)), group=trainer.group).item() > 0
+    return stop

@@ -1,63 +1,167 @@
-"""A training run's directory, written by the main process alone (rank 0 in a distributed run):
+"""A training run's directory, written by the main process alone (rank 0 in a distributed run), which
+owns it for the run's life (`run_lock.py`: .lock):
 
 config.yaml             the resolved config
 log.jsonl               a JSON record per step, per epoch and per evaluation
 checkpoint.safetensors  the model, optimizer state and progress (`weights/checkpoint.py`)
 checkpoint_best.safetensors   the same, as it was after the evaluation of highest AP
 eval_results.json, predictions.png, curves.png, pr_curves.png   at the end
-"""
+tensorboard/            with train.tensorboard: event files (`tensorboard.py`)
 
+A run starts afresh or continues a checkpoint (`starting_point`); a fresh run into a directory that
+holds one stops before writing anything, unless told to overwrite it. A file that cannot be written
+stops the run in one line naming it, the system's reason and the checkpoint that stays intact."""
+
+import contextlib
 import dataclasses
+import datetime
 import json
 import os
+import shutil
 from pathlib import Path
 
 import yaml
 from tqdm import tqdm
 
 from ..config import Config, config_to_dict
+from ..errors import CommandError, UsageError, WriteError
 from ..inference.detector import Detector
 from ..inference.visualize import grid, plot_curves, pr_curves
-from ..weights.checkpoint import save_checkpoint
+from ..weights.checkpoint import save_checkpoint, saved_progress
+from ..weights.files import write_errors_named
+from .run_lock import RunLock
+from .tensorboard import TensorBoard
+
+RESUME_HERE = "the output directory's checkpoint"  # train.py's --resume without a path
+# What a run writes, removed when another starts afresh in its directory (--overwrite)
+RUN_FILES = ("checkpoint.safetensors", "checkpoint_best.safetensors", "log.jsonl", "config.yaml", "eval_results.json")
+RUN_FILES += ("predictions.png", "curves.png", "pr_curves.png", "tensorboard")
 
 
 class RunDirectory:
-    """`with run:` holds log.jsonl open for the records in between."""
+    """`with run:` releases what `claim` and `start_writing` took (the lock, log.jsonl) at its end."""
 
     def __init__(self, path, cfg: Config, class_names: dict, is_main: bool = True):
         self.path, self.cfg, self.class_names, self.is_main = Path(path), cfg, class_names, is_main
         self.checkpoint = self.path / "checkpoint.safetensors"
         self.best_checkpoint = self.path / "checkpoint_best.safetensors"
         self.log_path = self.path / "log.jsonl"
-        self._log = None
+        self.lock = RunLock(self.path)
+        self._log, self._previous = None, []  # the files of an earlier run, removed by start_writing
+        self._tensorboard = None
         if is_main:
             self.path.mkdir(parents=True, exist_ok=True)
+
+    def claim(self):
+        """The main process locks the directory for the run (another run holding it: a CommandError)."""
+        if self.is_main:
+            self.lock.acquire()
+            if self.lock.unlocked_because:
+                self.print(
+                    f"warning: cannot lock {self.lock.path} ({self.lock.unlocked_because}: a file system without "
+                    "flock); running unlocked: make sure no other run writes to this directory"
+                )
+
+    def starting_point(self, resume, overwrite: bool) -> Path | None:
+        """-> the checkpoint to continue (`resume`: a path, or RESUME_HERE: this directory's, where it
+        has one), or None: a fresh run. A start other than from this directory's own checkpoint,
+        into a directory holding one, stops here unless `overwrite`; the earlier run's files are then
+        removed by `start_writing`, once the new run is set up (a run that fails before that, on a
+        wrong setting or too little memory, leaves them as they were)."""
+        if resume not in (None, RESUME_HERE) and not Path(resume).is_file():
+            raise FileNotFoundError(f"{resume}: no such file")
+        if resume == RESUME_HERE:
+            if overwrite:
+                raise UsageError("--resume without a path continues this directory's run, --overwrite replaces it")
+            if self.checkpoint.is_file():
+                return self.checkpoint
+            self.print(f"--resume: no checkpoint in {self.path}: a fresh run")
+            resume = None
+        elif resume is not None and self.checkpoint.is_file() and Path(resume).resolve() == self.checkpoint.resolve():
+            return self.checkpoint
+        held = next((p for p in (self.checkpoint, self.best_checkpoint) if p.is_file()), None)
+        if held is not None and not overwrite:
+            raise CommandError(
+                f"{self.path} holds a run ({held.name} at {describe_checkpoint(held)}): "
+                + ("continue it with --resume, or" if resume is None else f"to continue {resume} here,")
+                + " start afresh with --overwrite (its checkpoints, log and TensorBoard events are removed);"
+                + " or give another --output-dir"
+            )
+        self._previous = [self.path / name for name in RUN_FILES if (self.path / name).exists()]
+        return resume
+
+    def start_writing(self, resumed_from=None, progress: dict | None = None):
+        """Once the run is set up (model built, memory planned, checkpoint loaded): an earlier run's
+        files removed (see `starting_point`), the log cut back to the checkpoint resumed (`resume`),
+        config.yaml written, log.jsonl opened."""
+        if not self.is_main:
+            return
+        for path in self._previous:
+            with self._writing(path):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+        if self._previous:
+            names = ", ".join(p.name for p in self._previous)
+            self.print(f"started afresh: removed the earlier run's {names} from {self.path}")
+        if resumed_from is not None:
+            self.resume(resumed_from, progress)
+        self.write_config()
+        with self._writing(self.log_path):
+            self._log = open(self.log_path, "a")
+        if self.cfg.train.tensorboard:
+            first = progress["global_step"] + 1 if progress is not None else None
+            with self._writing(self.path / "tensorboard"):
+                self._tensorboard = TensorBoard(self.path / "tensorboard", purge_step=first)
 
     def write_config(self):
         """config.yaml: the config as resolved (the memory plan's choices in place of `auto`), printed."""
         if self.is_main:
             text = yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False)
-            (self.path / "config.yaml").write_text(text)
+            with self._writing(self.path / "config.yaml"):
+                (self.path / "config.yaml").write_text(text)
             print(text, end="")
 
     def __enter__(self):
-        if self.is_main:
-            self._log = open(self.log_path, "a")
         return self
 
     def __exit__(self, *exception):
         if self._log is not None:
-            self._log.close()
+            with contextlib.suppress(OSError):  # what it holds was flushed with each record
+                self._log.close()
             self._log = None
+        if self._tensorboard is not None:
+            with contextlib.suppress(OSError):  # likewise
+                self._tensorboard.close()
+            self._tensorboard = None
+        self.lock.release()
 
     def print(self, message: str):
         if self.is_main:
             tqdm.write(message)
 
     def log(self, record: dict):
+        """A record of log.jsonl; a step's or an evaluation's scalars in TensorBoard too."""
         if self._log is not None:
-            self._log.write(json.dumps(record) + "\n")
-            self._log.flush()
+            with self._writing(self.log_path):
+                self._log.write(json.dumps(record) + "\n")
+                self._log.flush()
+        if self._tensorboard is not None and (("loss" in record and "step" in record) or "eval" in record):
+            with self._writing(self.path / "tensorboard"):
+                self._tensorboard_scalars(record)
+                self._tensorboard.flush()  # record by record, as the log: what TensorBoard shows is current
+
+    def _tensorboard_scalars(self, record: dict):
+        step = record["global_step"]
+        if "eval" not in record:
+            counters = ("epoch", "step", "global_step")
+            self._tensorboard.scalars({k: v for k, v in record.items() if k not in counters}, step, "train")
+            return
+        stats = record["eval"]
+        self._tensorboard.scalars({k: v for k, v in stats.items() if k != "per_class"}, step, "val")
+        per_class = {name: values["AP"] for name, values in stats.get("per_class", {}).items()}
+        self._tensorboard.scalars(per_class, step, "val_AP_per_class")
 
     def resume(self, checkpoint, progress: dict):
         """Before the log is opened: a run killed after its last checkpoint (kill -9, a power cut)
@@ -76,12 +180,27 @@ class RunDirectory:
             return
         logged = os.fstat(self._log.fileno()).st_size if self._log is not None else None
         metadata = {**dataclasses.asdict(progress), "log_bytes": logged}
+        model, optimizer, ema = trainer.model, trainer.optimizer, trainer.ema
         for path in (self.checkpoint, self.best_checkpoint) if best else (self.checkpoint,):
-            save_checkpoint(path, trainer.model, trainer.optimizer, self.cfg, metadata, self.class_names, trainer.ema)
+            with self._writing(path):
+                save_checkpoint(path, model, optimizer, self.cfg, metadata, self.class_names, ema)
+
+    @contextlib.contextmanager
+    def _writing(self, path):
+        """A failed write of `path` -> one line: the file, the system's reason, the checkpoint intact."""
+        try:
+            with write_errors_named(path):
+                yield
+        except WriteError as error:
+            best = Path(error.path) == self.best_checkpoint
+            kept, label = (self.best_checkpoint, "the best") if best else (self.checkpoint, "the last")
+            state = f"{label} checkpoint, intact: {kept} ({describe_checkpoint(kept)})"
+            raise CommandError(f"{error}; {state if kept.is_file() else 'no checkpoint written yet'}") from error
 
     def write_results(self, stats: dict):
         if self.is_main:
-            (self.path / "eval_results.json").write_text(json.dumps(stats, indent=2))
+            with self._writing(self.path / "eval_results.json"):
+                (self.path / "eval_results.json").write_text(json.dumps(stats, indent=2))
 
     def write_pictures(self, model, val, pr: dict, count: int = 6, threshold: float = 0.3):
         """predictions.png: the first val images with what the model finds (scores >= threshold);
@@ -89,19 +208,50 @@ class RunDirectory:
         against recall per category (`pr`, `Evaluation.curves`)."""
         if not self.is_main:
             return
-        training = model.training
-        detector = Detector(model, self.cfg, val.class_names())
-        images = [val.load(index)[0] for index in range(min(count, len(val)))]
-        drawn = [result.draw(image) for image, result in zip(images, detector.predict(images, threshold), strict=True)]
-        model.train(training)
-        grid(drawn).save(self.path / "predictions.png")
-        pr_curves(pr, self.path / "pr_curves.png")
+        with self._writing(self.path / "predictions.png"):
+            predictions_grid(model, self.cfg, val, count, threshold).save(self.path / "predictions.png")
+        with self._writing(self.path / "pr_curves.png"):
+            pr_curves(pr, self.path / "pr_curves.png")
         records = [json.loads(line) for line in self.log_path.read_text().splitlines()]
-        plot_curves(
-            {
-                "training loss (epoch mean)": [(r["epoch"], r["loss"]) for r in records if "epoch_steps" in r],
-                "val AP50": [(r["epoch"], r["eval"]["AP50"]) for r in records if "eval" in r],
-                "val AP": [(r["epoch"], r["eval"]["AP"]) for r in records if "eval" in r],
-            },
-            self.path / "curves.png",
-        )
+        with self._writing(self.path / "curves.png"):
+            plot_curves(
+                {
+                    "training loss (epoch mean)": [(r["epoch"], r["loss"]) for r in records if "epoch_steps" in r],
+                    "val AP50": [(r["epoch"], r["eval"]["AP50"]) for r in records if "eval" in r],
+                    "val AP": [(r["epoch"], r["eval"]["AP"]) for r in records if "eval" in r],
+                },
+                self.path / "curves.png",
+            )
+
+    def draw_evaluation(self, model, val, pr: dict, step: int, count: int = 6, threshold: float = 0.3):
+        """With TensorBoard: the pictures of an evaluation (as `write_pictures` draws them at the end)
+        at its global `step`; `model` with the weights evaluated."""
+        if self._tensorboard is None:
+            return
+        predictions = predictions_grid(model, self.cfg, val, count, threshold)
+        with self._writing(self.path / "tensorboard"):
+            self._tensorboard.image("val/predictions", predictions, step)
+            self._tensorboard.image("val/pr_curves", pr_curves(pr), step)
+            self._tensorboard.flush()
+
+
+def predictions_grid(model, cfg: Config, val, count: int, threshold: float):
+    """The first `count` val images with what `model` finds there (scores >= threshold), in a grid;
+    the model is left in the mode it was in."""
+    training = model.training
+    detector = Detector(model, cfg, val.class_names())
+    images = [val.load(index)[0] for index in range(min(count, len(val)))]
+    drawn = [result.draw(image) for image, result in zip(images, detector.predict(images, threshold), strict=True)]
+    model.train(training)
+    return grid(drawn)
+
+
+def describe_checkpoint(path) -> str:
+    """'epoch 2, step 5, global step 45, written 2025-01-31 12:00' from a checkpoint's header."""
+    try:
+        progress = saved_progress(path)
+        where = f"epoch {progress['epoch']}, step {progress['step']}, global step {progress['global_step']}"
+    except (OSError, ValueError, KeyError) as error:
+        return f"unreadable: {error}"
+    written = datetime.datetime.fromtimestamp(Path(path).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+    return f"{where}, written {written}"

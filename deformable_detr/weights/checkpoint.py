@@ -8,7 +8,7 @@ import json
 from mlx.utils import tree_flatten
 
 from ..config import Config, config_to_dict
-from .files import class_names_metadata, read_weights, write_safetensors
+from .files import class_names_metadata, read_metadata, read_weights, write_safetensors
 from .loading import check_keys
 
 
@@ -45,3 +45,11 @@ def load_checkpoint(path, trainer) -> dict:
             check_keys(trainer.model, weights.ema, path, strict=True)
         trainer.ema.start(trainer.model, weights.ema and dict(weights.ema), weights.ema_updates)
     return weights.progress
+
+
+def saved_progress(path) -> dict:
+    """A training checkpoint's progress (epoch, step, global_step, ...), from its header alone."""
+    metadata = read_metadata(path)
+    if "progress" not in metadata:
+        raise ValueError(f"{path}: not a training checkpoint (no progress metadata)")
+    return json.loads(metadata["progress"])

@@ -5,6 +5,7 @@ the optimizer state, progress, config and EMA). Local files only: `loading.py` r
 
 import json
 import os
+import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_unflatten
+
+from ..errors import WriteError
 
 CLASS_NAMES_KEY = "category_names"  # safetensors metadata: JSON {category id: name}
 MODEL_OPTIONS_KEY = "model_options"  # converted weights: JSON of the ModelConfig fields they need
@@ -24,15 +27,26 @@ def atomic_write(path):
     rename it over `path`, and sync the directory: a crash, a kill or a power cut at any moment
     leaves either the previous file or the new one, never a part of one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.stem}.tmp{path.suffix}")  # the same suffix: mx.save_safetensors insists on it
+    tmp = path.with_name(f"{path.stem}.tmp{path.suffix}")  # beside it: the rename stays on one file system
     try:
-        yield tmp
-        _fsync(tmp)
-        os.replace(tmp, path)
-        _fsync(path.parent)
+        with write_errors_named(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            _fsync(tmp)
+            os.replace(tmp, path)
+            _fsync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def write_errors_named(path):
+    """An OSError while writing `path` (a full disk, a quota, a read-only file system) -> a WriteError
+    naming `path` and the system's reason, the errno's text: one line, where the OSError names no file."""
+    try:
+        yield
+    except OSError as error:
+        raise WriteError(path, error.strerror or str(error)) from error
 
 
 def _fsync(path: Path):
@@ -46,8 +60,26 @@ def _fsync(path: Path):
 def write_safetensors(path, arrays: dict, metadata: dict):
     """`arrays` (MLX or numpy, by name) and string `metadata` as one safetensors file, atomically."""
     arrays = {k: v if isinstance(v, mx.array) else mx.array(np.ascontiguousarray(v)) for k, v in arrays.items()}
-    with atomic_write(path) as tmp:
-        mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+    with atomic_write(path) as tmp, open(tmp, "wb") as file:
+        # Through a Python file: a failed write is an OSError with the system's reason (MLX's own
+        # writer says "[write] Unable to write N bytes to file." alone). The same bytes, as fast.
+        mx.save_safetensors(file, arrays, metadata=metadata)
+
+
+def read_metadata(path) -> dict:
+    """The string metadata of a safetensors file, from its header alone (a checkpoint's progress
+    without reading its tensors); a file that is not one is a ValueError naming it."""
+    with open(path, "rb") as file:
+        start = file.read(8)
+        length = struct.unpack("<Q", start)[0] if len(start) == 8 else 0
+        header = file.read(length) if 0 < length < 100_000_000 else b""  # safetensors' own bound on a header
+    try:
+        metadata = json.loads(header)["__metadata__"] if header else None
+    except (ValueError, KeyError, TypeError):
+        metadata = None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path}: not a readable safetensors file with metadata")
+    return metadata
 
 
 def open_safetensors(path) -> tuple[dict, dict]:
