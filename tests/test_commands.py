@@ -41,8 +41,19 @@ def cases(data, tmp):
         "train wrong type": (TRAIN, [*config, data_path, "schedule.batch_size=abc"], 2, wrong_type),
         "train missing config": (TRAIN, ["--config", str(tmp / "none.yaml")], 2, missing_config),
         "train unparsable YAML": (TRAIN, ["--config", str(broken)], 2, unparsable),
-        "train missing weights": (TRAIN, [*config, data_path, "--weights", nowhere], 1, missing_weights),
-        "train missing checkpoint": (TRAIN, [*config, data_path, "--resume", nowhere], 1, missing_weights),
+        # each its own run directory: the cases run at once, and a run directory has one owner
+        "train missing weights": (
+            TRAIN,
+            [*config, data_path, "--weights", nowhere, "--output-dir", "w"],
+            1,
+            missing_weights,
+        ),
+        "train missing checkpoint": (
+            TRAIN,
+            [*config, data_path, "--resume", nowhere, "--output-dir", "c"],
+            1,
+            missing_weights,
+        ),
         "train batch that does not split": (
             TRAIN,
             [*config, data_path, "schedule.batch_size=6", "schedule.micro_batch_size=4"],
