@@ -149,6 +149,31 @@ def run_side(side, task, repeats, size, threads, checkpointing=False, torch_mall
     return measured(command, env, f"{side} {task}")
 
 
+def compare(task: str, size: tuple, args, versions: set) -> tuple:
+    """One task in PyTorch and in ours (checkpointing off and on for training): the table's rows and
+    (the task's name, its bars)."""
+    theirs = run_side("torch", task, args.repeats, size, args.threads, torch_malloc=args.torch_malloc)
+    versions.add(f"PyTorch: {theirs['versions']}")
+    name = f"{task}, batch {theirs['batch']}, {size[0]}x{size[1]}"
+    bars_of_task = [("PyTorch", theirs["seconds"] / theirs["batch"])]
+    measured, rows = {}, []
+    for checkpointing in (False, True) if task == "train" else (False,):
+        measured[checkpointing] = ours = run_side("ours", task, args.repeats, size, args.threads, checkpointing)
+        versions.add(f"ours: {ours['versions']}")
+    for checkpointing, ours in measured.items():
+        label = "ours" if task == "inference" else f"ours, checkpointing {'on' if checkpointing else 'off'}"
+        if task == "inference" or checkpointing == default_checkpointing(measured[False]):
+            label += " (default)"
+        rows.append(
+            f"| {name}: {label} | {theirs['seconds']:.2f} | {ours['seconds']:.2f} "
+            f"| {theirs['seconds'] / ours['seconds']:.2f} | {theirs['peak_rss_mib']:.0f} "
+            f"| {ours['peak_rss_mib']:.0f} | {ours['mlx_peak_mib']:.0f} |"
+        )
+        bars_of_task.append((label.replace("ours", "this port"), ours["seconds"] / ours["batch"]))
+        print(rows[-1], flush=True)
+    return rows, (name, bars_of_task)
+
+
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -193,26 +218,9 @@ def main(argv=None):
     ]
     groups, versions = [], set()
     for task, size in jobs:
-        theirs = run_side("torch", task, args.repeats, size, args.threads, torch_malloc=args.torch_malloc)
-        versions.add(f"PyTorch: {theirs['versions']}")
-        name = f"{task}, batch {theirs['batch']}, {size[0]}x{size[1]}"
-        bars_of_task = [("PyTorch", theirs["seconds"] / theirs["batch"])]
-        measured = {}
-        for checkpointing in (False, True) if task == "train" else (False,):
-            measured[checkpointing] = ours = run_side("ours", task, args.repeats, size, args.threads, checkpointing)
-            versions.add(f"ours: {ours['versions']}")
-        for checkpointing, ours in measured.items():
-            label = "ours" if task == "inference" else f"ours, checkpointing {'on' if checkpointing else 'off'}"
-            if task == "inference" or checkpointing == default_checkpointing(measured[False]):
-                label += " (default)"
-            lines.append(
-                f"| {name}: {label} | {theirs['seconds']:.2f} | {ours['seconds']:.2f} "
-                f"| {theirs['seconds'] / ours['seconds']:.2f} | {theirs['peak_rss_mib']:.0f} "
-                f"| {ours['peak_rss_mib']:.0f} | {ours['mlx_peak_mib']:.0f} |"
-            )
-            bars_of_task.append((label.replace("ours", "this port"), ours["seconds"] / ours["batch"]))
-            print(lines[-1], flush=True)
-        groups.append((name, bars_of_task))
+        rows, bars_of_task = compare(task, size, args, versions)
+        lines += rows
+        groups.append(bars_of_task)
     lines[1:1] = sorted(versions)
     text = "\n".join(lines)
     print(text)

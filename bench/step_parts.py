@@ -26,12 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("backbone", "encoder", "decoder and heads", "matching and losses", "backward", "optimizer")
 
 
-def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dict:
-    import deformable_detr.models.deformable_transformer as transformer_module
-    import kernels
+def build_step(checkpointing: bool, size: tuple[int, int]) -> tuple:
+    """The R50 config's model and trainer (micro-batch 2) and two random images of `size` with three
+    boxes each."""
     from deformable_detr import build_model, load_config
-    from deformable_detr.models.backbone import Backbone
-    from deformable_detr.training.trainer import Trainer, seed_step
+    from deformable_detr.training.trainer import Trainer
 
     import mlx.core as mx
     import numpy as np
@@ -50,7 +49,49 @@ def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dic
     mask = mx.zeros((2, *size), dtype=mx.bool_)
     boxes = np.array([[0.3, 0.3, 0.2, 0.2], [0.7, 0.6, 0.3, 0.2], [0.5, 0.5, 0.6, 0.5]], np.float32)
     targets = [{"labels": np.array([1, 17, 62]), "boxes": boxes} for _ in range(2)]
-    num_boxes = trainer.num_boxes(targets)
+    return cfg, model, trainer, images, mask, targets, trainer.num_boxes(targets)
+
+
+def parts_of_step(forward_parts, trainer, model, cfg, batch, seconds: dict) -> dict:
+    """One step timed part by part: the forward's (backbone and encoder through `seconds`), the
+    differentiated step's, the optimizer's."""
+    from deformable_detr.training.trainer import seed_step
+
+    import mlx.core as mx
+
+    images, mask, targets, num_boxes = batch
+    seconds.clear()
+    forward, matching = forward_parts()
+    seed_step(cfg.seed, 0)
+    start = time.perf_counter()
+    (total, _), grads = trainer.loss_and_grad(images, mask, targets, num_boxes)
+    mx.eval(total, grads)
+    differentiated = time.perf_counter() - start
+    start = time.perf_counter()
+    trainer._update(grads, total, {})
+    mx.eval(model.parameters(), trainer.optimizer.state)
+    optimizer = time.perf_counter() - start
+    return {
+        "backbone": seconds["backbone"],
+        "encoder": seconds["encoder"],
+        "decoder and heads": forward - seconds["backbone"] - seconds["encoder"],
+        "matching and losses": matching,
+        "backward": differentiated - forward - matching,
+        "optimizer": optimizer,
+        "step": differentiated + optimizer,
+    }
+
+
+def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dict:
+    import deformable_detr.models.deformable_transformer as transformer_module
+    import kernels
+    from deformable_detr.models.backbone import Backbone
+    from deformable_detr.training.trainer import seed_step
+
+    import mlx.core as mx
+    import numpy as np
+
+    cfg, model, trainer, images, mask, targets, num_boxes = build_step(checkpointing, size)
     seconds = {}
 
     def timing(name, function):
@@ -83,30 +124,10 @@ def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dic
         matching = time.perf_counter() - start
         return total, matching
 
-    results = []
-    for _ in range(repeats + 1):
-        seconds.clear()
-        forward, matching = forward_parts()
-        seed_step(cfg.seed, 0)
-        start = time.perf_counter()
-        (total, _), grads = trainer.loss_and_grad(images, mask, targets, num_boxes)
-        mx.eval(total, grads)
-        differentiated = time.perf_counter() - start
-        start = time.perf_counter()
-        trainer._update(grads, total, {})
-        mx.eval(model.parameters(), trainer.optimizer.state)
-        optimizer = time.perf_counter() - start
-        results.append(
-            {
-                "backbone": seconds["backbone"],
-                "encoder": seconds["encoder"],
-                "decoder and heads": forward - seconds["backbone"] - seconds["encoder"],
-                "matching and losses": matching,
-                "backward": differentiated - forward - matching,
-                "optimizer": optimizer,
-                "step": differentiated + optimizer,
-            }
-        )
+    results = [
+        parts_of_step(forward_parts, trainer, model, cfg, (images, mask, targets, num_boxes), seconds)
+        for _ in range(repeats + 1)
+    ]
     kept = results[1:]  # after the warm-up
     return {**{k: float(np.median([r[k] for r in kept])) for k in kept[0]}, "blas": kernels.blas.description()}
 

@@ -141,37 +141,14 @@ def ms_deformable_attention_bwd(
         product = nl.ndarray((pmax, channels), dtype=nl.float32, buffer=nl.sbuf)
         contribution = nl.ndarray((pmax, channels), dtype=nl.float32, buffer=nl.sbuf)
         dot = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+        scratch = (gathered, product, contribution, dot)
+        grads = (grad_attention, grad_x, grad_y)
         for level in range(levels):
             taps = _level_taps(xs, ys, attention, level, q, spec)
             for tap in taps["taps"]:
                 for h in range(heads):
                     for p in range(points):
-                        _gather(gathered, rows, tap["index"], h, p, q, channels, _batch_offset(b, spec))
-                        own = upstream[0:q, h * channels : (h + 1) * channels]
-                        # <grad_output, tap value>, reduced over channels
-                        nisa.tensor_tensor(dst=product[0:q], data1=gathered[0:q], data2=own, op=nl.multiply)
-                        nisa.tensor_reduce(dst=dot[0:q], op=nl.add, data=product[0:q], axis=(1,), keepdims=True)
-                        for target, factor in (
-                            (grad_attention, tap["weight"]),
-                            (grad_x, tap["dweight_dx"]),
-                            (grad_y, tap["dweight_dy"]),
-                        ):
-                            column = target[0:q, h, level, p : p + 1]
-                            nisa.scalar_tensor_tensor(
-                                dst=column,
-                                data=dot[0:q],
-                                op0=nl.multiply,
-                                operand0=factor[0:q, h, p : p + 1],
-                                op1=nl.add,
-                                operand1=column,
-                            )
-                        nisa.tensor_scalar(
-                            dst=contribution[0:q],
-                            data=own,
-                            op0=nl.multiply,
-                            operand0=tap["attended"][0:q, h, p : p + 1],
-                        )
-                        _scatter_add(grad_rows, tap["index"], h, p, q, channels, contribution, b, spec)
+                        _tap_backward(tap, h, p, level, b, q, spec, rows, grad_rows, upstream, scratch, grads)
             # d location = attention * sum over taps of (d tap weight / d pixel) * <grad, value>
             # * d pixel / d location (the clip's gradient times W or W - 1)
             for grad, chain in ((grad_x, taps["chain_x"]), (grad_y, taps["chain_y"])):
@@ -187,6 +164,35 @@ def ms_deformable_attention_bwd(
 
 # ---------------------------------------------------------------------------------------------
 # helpers, traced into the kernels
+
+
+def _tap_backward(tap, h, p, level, b, q, spec, rows, grad_rows, upstream, scratch, grads):
+    """One tap of one (head, point) for a tile of queries: <grad_output, tap value> into the attention
+    weight's and the location's gradients, and the tap's share of grad_output into grad_value's rows."""
+    gathered, product, contribution, dot = scratch
+    channels = spec.channels
+    _gather(gathered, rows, tap["index"], h, p, q, channels, _batch_offset(b, spec))
+    own = upstream[0:q, h * channels : (h + 1) * channels]
+    # <grad_output, tap value>, reduced over channels
+    nisa.tensor_tensor(dst=product[0:q], data1=gathered[0:q], data2=own, op=nl.multiply)
+    nisa.tensor_reduce(dst=dot[0:q], op=nl.add, data=product[0:q], axis=(1,), keepdims=True)
+    for target, factor in zip(grads, (tap["weight"], tap["dweight_dx"], tap["dweight_dy"]), strict=True):
+        column = target[0:q, h, level, p : p + 1]
+        nisa.scalar_tensor_tensor(
+            dst=column,
+            data=dot[0:q],
+            op0=nl.multiply,
+            operand0=factor[0:q, h, p : p + 1],
+            op1=nl.add,
+            operand1=column,
+        )
+    nisa.tensor_scalar(
+        dst=contribution[0:q],
+        data=own,
+        op0=nl.multiply,
+        operand0=tap["attended"][0:q, h, p : p + 1],
+    )
+    _scatter_add(grad_rows, tap["index"], h, p, q, channels, contribution, b, spec)
 
 
 def _spec(
