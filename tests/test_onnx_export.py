@@ -18,8 +18,8 @@ from PIL import Image
 onnx = pytest.importorskip("onnx", reason="exporting to ONNX needs the onnx package (the onnx and dev extras)")
 ort = pytest.importorskip("onnxruntime", reason="running the exported file needs onnxruntime (the onnx and dev extras)")
 
+from deformable_detr.deploy.inputs import canvas_inputs, pad_to_canvas  # noqa: E402
 from deformable_detr.deploy.onnx.detector import build_graph  # noqa: E402
-from deformable_detr.deploy.onnx.inputs import canvas_inputs, pad_to_canvas  # noqa: E402
 from deformable_detr.export import main  # noqa: E402
 
 CANVAS = (96, 128)
@@ -236,7 +236,7 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
     assert "two-stage takes the top 12 of the encoder's proposals, and this canvas gives 4" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         main(["--to", "torch", str(path), out, "--postprocess"])
-    assert stop.value.code == 2 and "are for --to onnx, not --to torch" in capsys.readouterr().err
+    assert stop.value.code == 2 and "are for --to onnx or mlx, not --to torch" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"^image 1: 100 x 50 does not fit the 96 x 128 canvas"):
         pad_to_canvas([np.zeros((10, 10, 3)), np.zeros((100, 50, 3))], CANVAS)
     monkeypatch.setitem(sys.modules, "onnx", None)  # as if the extra were not installed
