@@ -11,10 +11,13 @@ named and shaped as the ONNX file's: pixel_values (N, 3, H, W) float32 normalise
 (N, H, W) int64, 1 on the image -> (logits (N, Q, classes), pred_boxes (N, Q, 4) cx, cy, w, h in
 [0, 1]); with `postprocess` also target_sizes (N, 2) int64 (height, width) -> (scores (N, K),
 labels (N, K) int64, boxes (N, K, 4) x0, y0, x1, y1 in pixels), the top K = min(100, Q * classes).
+The file's metadata (`mx.import_function(path, return_metadata=True)`, C++ `.metadata()`) is JSON:
+{"canvas": [H, W], "batch": N, "inputs": [...], "outputs": [...], "num_classes": C}.
 
 Before the file is in place it is loaded in a separate Python process that imports only mlx, run on
 random images (`deploy/check.py`) and compared with the model; a mismatch leaves no file."""
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -71,6 +74,15 @@ def example_inputs(canvas: tuple, batch: int, postprocess: bool) -> dict:
     return inputs
 
 
+def metadata(canvas: tuple, batch: int, postprocess: bool, num_classes: int) -> str:
+    """What a loader needs to know and cannot ask the file: its canvas, batch, inputs and outputs."""
+    names = dict(
+        inputs=list(example_inputs(canvas, batch, postprocess)),
+        outputs=list(DETECTIONS if postprocess else OUTPUTS),
+    )
+    return json.dumps({"canvas": list(canvas), "batch": batch, **names, "num_classes": num_classes})
+
+
 def run_file(path: Path, inputs: dict) -> list:
     """The outputs of the .mlxfn file on `inputs` (numpy), from a process with only mlx imported."""
     with tempfile.TemporaryDirectory() as directory:
@@ -118,18 +130,17 @@ def export_mlx(model, cfg, dst: Path, size=None, batch_size: int = 1, postproces
         raise UsageError(f"{dst}: an MLX function file's name ends in .mlxfn (MLX adds it to any other)")
     if model.training:
         raise ValueError("export_mlx: the model is in training mode; call model.eval() first")
+    forward, inputs = canvas_function(model, postprocess), example_inputs(canvas, batch, postprocess)
+    about = metadata(canvas, batch, postprocess, cfg.model.num_classes)
     with atomic_write(dst) as tmp:
         with kernels.export_mode():
-            mx.export_function(
-                str(tmp), canvas_function(model, postprocess), **example_inputs(canvas, batch, postprocess)
-            )
+            mx.export_function(str(tmp), forward, metadata=about, **inputs)
         worst, checked = compare(tmp, model, canvas, batch, postprocess)
         if not worst <= TOLERANCE:
             raise CommandError(f"{dst}: {checked}, over {TOLERANCE:g}: the export is wrong, not written")
         mib = tmp.stat().st_size / 2**20
-    inputs = ", ".join(example_inputs(canvas, batch, postprocess))
     outputs = ", ".join(DETECTIONS if postprocess else OUTPUTS)
     return (
         f"wrote {dst}: {mib:.1f} MiB, MLX {mx.__version__}, canvas {canvas[0]} x {canvas[1]}, batch {batch}, "
-        f"inputs {inputs}, outputs {outputs}; {checked}"
+        f"inputs {', '.join(inputs)}, outputs {outputs}; {checked}"
     )
