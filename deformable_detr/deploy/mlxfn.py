@@ -130,6 +130,7 @@ def export_mlx(model, cfg, dst: Path, size=None, batch_size: int = 1, postproces
         raise UsageError(f"{dst}: an MLX function file's name ends in .mlxfn (MLX adds it to any other)")
     if model.training:
         raise ValueError("export_mlx: the model is in training mode; call model.eval() first")
+    mx.eval(model.parameters())  # weights just loaded are lazy reads of their file (`Load` does not serialize)
     forward, inputs = canvas_function(model, postprocess), example_inputs(canvas, batch, postprocess)
     about = metadata(canvas, batch, postprocess, cfg.model.num_classes)
     with atomic_write(dst) as tmp:
