@@ -1,13 +1,17 @@
 """R50 Deformable DETR inference on the CPU where a model is deployed, in one run: this port (MLX),
-onnxruntime on this port's exported ONNX file, and PyTorch (Hugging Face's model).
+its .mlxfn file in plain MLX, onnxruntime on this port's exported ONNX file, and PyTorch (Hugging
+Face's model).
 
-    python bench/deploy.py [--repeats 3] [--threads N] [--output-dir DIR]
+    python bench/deploy.py [--repeats 3] [--threads N] [--output-dir DIR] [--mlx-only]
 
 configs/r50.yaml with random weights, batch 1 at 800 x 1066 (the authors' evaluation size). Ours
 and PyTorch are measured by bench/model.py's own processes (its inference row, the same code);
 onnxruntime runs the file `export --to onnx --size 800 1066` writes (the canvas the image fills),
 once with each sampler (gather, the default; grid_sample), on all `--threads` cores
-(intra_op_num_threads) with its default graph optimisations, as a CPU server would run it. Each
+(intra_op_num_threads) with its default graph optimisations, as a CPU server would run it. The
+.mlxfn file (`export --to mlx --size 800 1066`) runs in a Python process that imports only mlx
+(`mx.import_function`, MLX's own BLAS and ops: none of this package's CPU kernels), as mlx-c or
+mlx-swift would run it; `--mlx-only` measures ours and that file only. Each
 side runs in its own process and reports its median over `--repeats` after a warm-up and its peak
 resident memory; the export runs in a process of its own first and is timed.
 Writes `deploy_cpu.txt` to --output-dir (default bench/results).
@@ -59,6 +63,52 @@ def export(directory: Path) -> dict:
     return {"seconds": seconds, "file_mib": size_mib, "versions": f"onnx {onnx.__version__}"}
 
 
+def export_mlxfn(directory: Path) -> dict:
+    """The same model -> r50.mlxfn, as `export --to mlx` traces it (without its check: timed alone)."""
+    import kernels
+    from deformable_detr import build_model, load_config
+    from deformable_detr.deploy.mlxfn import canvas_function, example_inputs
+
+    import mlx.core as mx
+
+    cfg = load_config(ROOT / "configs" / "r50.yaml", ["model.dropout=0.0"])
+    mx.random.seed(0)
+    model = build_model(cfg)
+    model.eval()
+    mx.eval(model.parameters())
+    start = time.perf_counter()
+    with kernels.export_mode():
+        mx.export_function(
+            str(directory / "r50.mlxfn"), canvas_function(model, False), **example_inputs(SIZE, 1, False)
+        )
+    seconds = time.perf_counter() - start
+    size_mib = (directory / "r50.mlxfn").stat().st_size / 2**20
+    return {"seconds": seconds, "file_mib": size_mib, "versions": f"MLX {mx.__version__}"}
+
+
+# The .mlxfn file's process: only mlx (and the standard library) imported; prints its JSON line.
+PLAIN_MLX = """
+import json, resource, statistics, sys, time
+import mlx.core as mx
+function = mx.import_function(sys.argv[1])
+key = mx.random.key(0)
+h, w = int(sys.argv[3]), int(sys.argv[4])
+inputs = {"pixel_values": mx.random.normal((1, 3, h, w), key=key), "pixel_mask": mx.ones((1, h, w), mx.int64)}
+times = []
+for _ in range(int(sys.argv[2]) + 1):
+    start = time.perf_counter()
+    mx.eval(function(**inputs))
+    times.append(time.perf_counter() - start)
+print(json.dumps({"seconds": statistics.median(times[1:]), "versions": f"MLX {mx.__version__} (mx.import_function)",
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def run_mlxfn(path: Path, repeats: int) -> dict:
+    command = [sys.executable, "-I", "-c", PLAIN_MLX, str(path), str(repeats), *map(str, SIZE)]
+    return measured(command, dict(os.environ), path.name)
+
+
 def measure_onnxruntime(path: Path, repeats: int, threads: int) -> dict:
     import numpy as np
     import onnxruntime
@@ -101,7 +151,30 @@ def table(rows: list, ours: float) -> list:
     return lines
 
 
-@entry_point(runtime=False)
+def measure_rows(directory: Path, args) -> tuple:
+    """-> ([(runtime, its measurement)], the exports' lines), ours first."""
+    exported = measured([sys.executable, __file__, "--export-mlxfn-to", str(directory)], dict(os.environ), "export")
+    exports = [
+        f"export --to mlx: {exported['versions']}, {exported['file_mib']:.0f} MiB file, traced and written in "
+        f"{exported['seconds']:.1f} s"
+    ]
+    rows = [("ours (MLX)", run_side("ours", "inference", args.repeats, SIZE, args.threads))]
+    rows.append(("MLX on our .mlxfn file (plain mlx)", run_mlxfn(directory / "r50.mlxfn", args.repeats)))
+    if args.mlx_only:
+        return rows, exports
+    exported = measured([sys.executable, __file__, "--export-to", str(directory)], dict(os.environ), "the export")
+    exports.append(
+        f"export --to onnx: {exported['versions']}, {exported['file_mib']:.0f} MiB file, built and written in "
+        + ", ".join(f"{s:.1f} s ({sampler})" for sampler, s in exported["seconds"].items())
+    )
+    for sampler in SAMPLERS:
+        result = run_onnxruntime(directory / f"r50_{sampler}.onnx", args.repeats, args.threads)
+        rows.append((f"onnxruntime, our ONNX file ({sampler} sampler)", result))
+    rows.append(("PyTorch (transformers)", run_side("torch", "inference", args.repeats, SIZE, args.threads)))
+    return rows, exports
+
+
+@entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -109,31 +182,28 @@ def main(argv=None):
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # an ONNX file: onnxruntime's process
     parser.add_argument("--export-to", type=Path, help=argparse.SUPPRESS)  # the export's process
+    parser.add_argument("--export-mlxfn-to", type=Path, help=argparse.SUPPRESS)  # the .mlxfn export's process
+    parser.add_argument("--mlx-only", action="store_true", help="ours and the .mlxfn file only")
     args = parser.parse_args(argv)
-    if args.measure or args.export_to:
-        result = (
-            measure_onnxruntime(args.measure, args.repeats, args.threads) if args.measure else export(args.export_to)
-        )
+    if args.measure or args.export_to or args.export_mlxfn_to:
+        if args.measure:
+            result = measure_onnxruntime(args.measure, args.repeats, args.threads)
+        else:
+            result = export(args.export_to) if args.export_to else export_mlxfn(args.export_mlxfn_to)
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
         return
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as directory:
-        exported = measured([sys.executable, __file__, "--export-to", directory], dict(os.environ), "the export")
-        rows = [("ours (MLX)", run_side("ours", "inference", args.repeats, SIZE, args.threads))]
-        for sampler in SAMPLERS:
-            result = run_onnxruntime(Path(directory) / f"r50_{sampler}.onnx", args.repeats, args.threads)
-            rows.append((f"onnxruntime, our ONNX file ({sampler} sampler)", result))
-        rows.append(("PyTorch (transformers)", run_side("torch", "inference", args.repeats, SIZE, args.threads)))
+        rows, exports = measure_rows(Path(directory), args)
     versions = sorted({f"{name.split(' (')[0]}: {result['versions']}" for name, result in rows})
     lines = [
         f"R50 Deformable DETR inference, batch 1, {SIZE[0]} x {SIZE[1]}, random weights (configs/r50.yaml)",
         f"CPU: {cpu_model()}, {args.threads} threads for each side; {datetime.date.today().isoformat()}; "
         f"python {platform.python_version()}",
         *versions,
-        f"export: {exported['versions']}, {exported['file_mib']:.0f} MiB file, built and written in "
-        + ", ".join(f"{s:.1f} s ({sampler})" for sampler, s in exported["seconds"].items()),
+        *exports,
         f"median of {args.repeats} after a warm-up, each side in its own process; load average (1 min) "
         f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores (above {args.threads}: "
         "other work shared the cores, and the times are noisy)",

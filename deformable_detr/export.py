@@ -4,6 +4,8 @@
     python -m deformable_detr.export --to huggingface MODEL.safetensors DIR [--hf-backbone timm|transformers]
     python -m deformable_detr.export --to onnx MODEL.safetensors OUT.onnx [--size H W] [--postprocess]
         [--batch-size N] [--sampler gather|grid_sample]    (deformable_detr/deploy/onnx: the `onnx` extra)
+    python -m deformable_detr.export --to mlx MODEL.safetensors OUT.mlxfn [--size H W] [--postprocess]
+        [--batch-size N]    (deformable_detr/deploy/mlxfn.py: mx.export_function, for mlx-c / mlx-swift)
 
 `--to huggingface` writes DIR/config.json (the variant, `id2label` from the category names),
 preprocessor_config.json (the resize and normalisation) and model.safetensors in the layout of the
@@ -30,9 +32,13 @@ from .inference.detector import Detector
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(prog="python -m deformable_detr.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--to", choices=["torch", "huggingface", "onnx"], required=True, help="the target layout")
+    parser.add_argument(
+        "--to", choices=["torch", "huggingface", "onnx", "mlx"], required=True, help="the target layout"
+    )
     parser.add_argument("src", help="converted weights or a training checkpoint (.safetensors), or hf://ORG/NAME")
-    parser.add_argument("dst", type=Path, help="the .pth (torch) or .onnx file to write, or the folder (huggingface)")
+    parser.add_argument(
+        "dst", type=Path, help="the .pth (torch), .onnx or .mlxfn file to write, or the folder (huggingface)"
+    )
     parser.add_argument("--config", type=Path, help="the model's config, where the weights do not record it")
     parser.add_argument(
         "--hf-backbone",
@@ -45,24 +51,29 @@ def main(argv=None):
         "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
     )
     parser.add_argument(
-        "--size", type=int, nargs=2, metavar=("H", "W"), help="onnx: the canvas (default: val_size x max_size)"
+        "--size", type=int, nargs=2, metavar=("H", "W"), help="onnx, mlx: the canvas (default: val_size x max_size)"
     )
-    parser.add_argument("--batch-size", type=int, default=1, help="onnx: images a run (the graph's static batch)")
+    parser.add_argument("--batch-size", type=int, default=1, help="onnx, mlx: images a run (the file's static batch)")
     parser.add_argument(
-        "--postprocess", action="store_true", help="onnx: take target_sizes, return the top-100 scores, labels, boxes"
+        "--postprocess",
+        action="store_true",
+        help="onnx, mlx: take target_sizes, return the top-100 scores, labels, boxes",
     )
     parser.add_argument(
         "--sampler", choices=["gather", "grid_sample"], default="gather", help="onnx: the attention's bilinear sampler"
     )
     args = parser.parse_args(argv)
-    canvas = dict(size=args.size, batch_size=args.batch_size, postprocess=args.postprocess, sampler=args.sampler)
-    given = args.size or args.postprocess or args.batch_size != 1 or args.sampler != "gather"
-    if args.to != "onnx" and given:
-        raise UsageError(f"--size, --batch-size, --postprocess and --sampler are for --to onnx, not --to {args.to}")
+    canvas = dict(size=args.size, batch_size=args.batch_size, postprocess=args.postprocess)
+    if args.to not in ("onnx", "mlx") and (args.size or args.postprocess or args.batch_size != 1):
+        raise UsageError(f"--size, --batch-size and --postprocess are for --to onnx or mlx, not --to {args.to}")
+    if args.to != "onnx" and args.sampler != "gather":
+        why = " (an .mlxfn file samples with MLX's gathers)" if args.to == "mlx" else ""
+        raise UsageError(f"--sampler is for --to onnx, not --to {args.to}{why}")
     if args.to != "huggingface" and args.hf_backbone != "timm":
         raise UsageError(f"--hf-backbone is for --to huggingface, not --to {args.to}")
     detector = Detector.load(args.src, args.config, raw_weights=args.raw_weights)
-    options = {"hf_backbone": args.hf_backbone} if args.to == "huggingface" else canvas if args.to == "onnx" else {}
+    options = {"hf_backbone": args.hf_backbone} if args.to == "huggingface" else {}
+    options = {**canvas, "sampler": args.sampler} if args.to == "onnx" else canvas if args.to == "mlx" else options
     print(detector.export(args.to, args.dst, **options))
 
 

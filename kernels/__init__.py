@@ -1,7 +1,8 @@
 """Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and
 `ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature); beside them
 `linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
-`layer_norm`, `patches` (im2col) and `bernoulli16` (random masks) on every CPU core.
+`layer_norm`, `patches` (im2col) and `bernoulli16` (random masks) on every CPU core; and
+`export_mode()`, within which all of them are MLX ops that `mx.export_function` can write.
 
 This package knows nothing of DETR. Importing it first sets up the BLAS under MLX's matrix products
 (`blas.py`): import it (or deformable_detr) before mlx."""
@@ -13,6 +14,7 @@ blas.set_up()
 from .assignment import linear_assignment
 from .backends import available as available_backends
 from .bernoulli import bernoulli16
+from .export import export_mode, exporting
 from .grid_sample import grid_sample
 from .layer_norm import layer_norm
 from .ms_deform_attn import BACKENDS, ms_deform_attn
@@ -23,6 +25,8 @@ __all__ = [
     "BACKENDS",
     "available_backends",
     "bernoulli16",
+    "export_mode",
+    "exporting",
     "grid_sample",
     "layer_norm",
     "linear_assignment",

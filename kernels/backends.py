@@ -6,6 +6,7 @@ import os
 import mlx.core as mx
 
 from . import cpu, cuda, metal
+from .export import exporting
 
 FUSED = {"metal": metal.METAL, "cuda": cuda.CUDA}
 NATIVE_CPU = {"cpu": cpu.CPU}  # ms_deform_attn only
@@ -18,8 +19,11 @@ def select(op: str, backend: str | None, dtype: mx.Dtype, unsupported: str | Non
     None picks Metal, then CUDA, then the CPU kernel (where the op has one: `cpu_kernel`), the first
     that can run (built, and the default device is its device) and takes the call; otherwise the
     MLX-ops path. Forcing a back-end that cannot run, or a call it does not take (float64, or
-    `unsupported`: why not), is an error that says which and why.
+    `unsupported`: why not), is an error that says which and why. In `export_mode()` it is None
+    whatever was asked: an exported file holds MLX ops only, and runs on every device.
     """
+    if exporting():
+        return None
     candidates = {**FUSED, **(NATIVE_CPU if cpu_kernel else {})}
     if backend == "mlx":
         return None

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import backends, fused, selfcheck
 from .checks import check_choice, check_float, check_rank, compute_dtype, fail
+from .export import custom_function
 from .sampling import bicubic_taps, bilinear_taps, nearest_taps, pad_coordinates
 
 MODES = ("bilinear", "nearest", "bicubic")
@@ -105,7 +106,7 @@ def _plan(grid: mx.array, height: int, width: int, mode: str, padding_mode: str,
 
 @cache
 def _sampler(mode: str, padding_mode: str, align_corners: bool):
-    """A `custom_function` for one (mode, padding, align_corners), built once."""
+    """A `custom_function` (plain ops in `export_mode()`) for one (mode, padding, align_corners), built once."""
 
     def gather(input, grid):
         n, h, w, c = input.shape
@@ -113,7 +114,7 @@ def _sampler(mode: str, padding_mode: str, align_corners: bool):
         values = input.reshape(n * h * w, c)[taps.index]  # (N, Ho, Wo, K, C)
         return taps, values
 
-    @mx.custom_function
+    @custom_function
     def sample(input, grid):
         taps, values = gather(input, grid)
         return (taps.weight[..., None, :] @ values).squeeze(-2)

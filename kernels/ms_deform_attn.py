@@ -9,6 +9,7 @@ import numpy as np
 
 from . import backends, selfcheck
 from .checks import check_choice, check_float, check_rank, compute_dtype, fail, level_starts
+from .export import custom_function
 from .sampling import bilinear_taps, pad_coordinates
 
 VALUE_LAYOUTS = ("BLNC", "BNLC")
@@ -185,7 +186,8 @@ def _in_layout(shape, layout):
 
 @cache
 def _mlx_core(shapes, align_corners: bool, padding_mode: str):
-    """The MLX-ops path for one set of level shapes, as a `custom_function`, built once."""
+    """The MLX-ops path for one set of level shapes, as a `custom_function` (plain ops in
+    `export_mode()`), built once."""
     heights = mx.array([h for h, _ in shapes], dtype=mx.int32).reshape(-1, 1)  # (N_l, 1)
     widths = mx.array([w for _, w in shapes], dtype=mx.int32).reshape(-1, 1)
     starts = mx.array(level_starts(shapes), dtype=mx.int32).reshape(-1, 1)
@@ -217,7 +219,7 @@ def _mlx_core(shapes, align_corners: bool, padding_mode: str):
         values = value.reshape(-1, channels)[taps.index].reshape(b, q, heads, -1, channels)
         return taps, values  # values: (B, Q, N_h, N_l * N_p * 4, C_h)
 
-    @mx.custom_function
+    @custom_function
     def attend(value, locations, weights):
         b, q, heads = weights.shape[:3]
         taps, values = gather(value, locations)

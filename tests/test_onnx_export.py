@@ -4,85 +4,26 @@ its one-line errors."""
 
 import sys
 
-from deformable_detr import build_model, load_config
-from deformable_detr.config import CONFIGS_DIR
 from deformable_detr.data.transforms import normalize, resize
 from deformable_detr.models import post_process
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from PIL import Image
 
 onnx = pytest.importorskip("onnx", reason="exporting to ONNX needs the onnx package (the onnx and dev extras)")
 ort = pytest.importorskip("onnxruntime", reason="running the exported file needs onnxruntime (the onnx and dev extras)")
 
+from deformable_detr.deploy.inputs import canvas_inputs, pad_to_canvas  # noqa: E402
 from deformable_detr.deploy.onnx.detector import build_graph  # noqa: E402
-from deformable_detr.deploy.onnx.inputs import canvas_inputs, pad_to_canvas  # noqa: E402
 from deformable_detr.export import main  # noqa: E402
 
-CANVAS = (96, 128)
-SIZES = ((72, 100), (90, 60), (50, 50))  # landscape, portrait, square: padding below and to the right of each
-VARIANTS = ["r50", "r50_single_scale", "r50_single_scale_dc5", "r50_box_refine", "r50_two_stage"]
-SMALL = [
-    *("model.backbone=resnet18", "model.backbone_width=16", "model.hidden_dim=64", "model.nheads=4"),
-    *("model.enc_layers=2", "model.dec_layers=2", "model.dim_feedforward=64", "model.num_queries=12"),
-    *("model.num_classes=5", "model.enc_n_points=2", "model.dec_n_points=3", "model.dropout=0.0"),
-]
-
-
-def small_model(variant: str, padding_proposals_low: bool = True, seed: int = 0):
-    """A small model of the variant, every weight off its init: normal noise (0.1) on every
-    parameter, frozen batch norm's variances in [0.5, 1.5]. Two-stage: where `padding_proposals_low`,
-    the proposals of padding (whose memory is zeroed, so all alike) score below the image's, as a
-    trained model's do; else random weights pick them first."""
-    cfg = load_config(CONFIGS_DIR / f"{variant}.yaml", SMALL)
-    mx.random.seed(seed)
-    model = build_model(cfg)
-    model.eval()
-    rng = np.random.default_rng(seed)
-    moved = []
-    for key, value in tree_flatten(model.parameters()):
-        value = np.array(value)
-        value = (
-            rng.uniform(0.5, 1.5, value.shape)
-            if key.endswith("running_var")
-            else value + rng.normal(0, 0.1, value.shape)
-        )
-        moved.append((key, mx.array(value.astype(np.float32))))
-    model.load_weights(moved)
-    if cfg.model.two_stage and padding_proposals_low:  # the zeroed memory's LayerNorm output against class 0's row
-        params = dict(tree_flatten(model.parameters()))
-        row = np.array(params["transformer.enc_output_norm.weight"]) * np.array(params["class_embed.2.weight"])[0]
-        model.load_weights([("transformer.enc_output.bias", mx.array(-row / np.linalg.norm(row)))], strict=False)
-    return model, cfg
-
-
-def weights_of(model) -> dict:
-    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
-
-
-def padded_batch(seed: int = 1):
-    """Three images of SIZES on the canvas -> (images (3, H, W, 3), mask (3, H, W) True on padding)."""
-    rng = np.random.default_rng(seed)
-    images = np.zeros((len(SIZES), *CANVAS, 3), np.float32)
-    mask = np.ones((len(SIZES), *CANVAS), bool)
-    for i, (h, w) in enumerate(SIZES):
-        images[i, :h, :w] = rng.standard_normal((h, w, 3))
-        mask[i, :h, :w] = False
-    return images, mask
+from export_models import CANVAS, SIZES, VARIANTS, assert_close, padded_batch, small_checkpoint, small_model, weights_of  # noqa: E402
 
 
 def session(model_proto):
     return ort.InferenceSession(model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
-
-
-def assert_close(ours, theirs, what):
-    ours, theirs = np.asarray(ours), np.asarray(theirs)
-    assert ours.shape == theirs.shape, what
-    difference = np.abs(ours - theirs).max() / np.abs(ours).max()
-    assert difference <= 1e-4, f"{what}: {difference:.2e} of the largest value"
 
 
 CASES = [(v, "gather", True) for v in VARIANTS] + [
@@ -192,16 +133,6 @@ def test_graph_has_standard_ops_static_shapes_and_ranks_at_most_5(variant, sampl
     assert shapes["pixel_values"] == [2, 3, *CANVAS] and shapes["boxes"] == [2, 60, 4]
 
 
-def small_checkpoint(tmp_path, variant="r50_two_stage"):
-    from deformable_detr.training.optimizer import build_optimizer
-    from deformable_detr.weights.checkpoint import save_checkpoint
-
-    model, cfg = small_model(variant)
-    path = tmp_path / "checkpoint.safetensors"
-    save_checkpoint(path, model, build_optimizer(cfg), cfg, {"epoch": 1, "step": 1, "global_step": 1}, {1: "thing"})
-    return path, model
-
-
 def test_command_writes_the_file_after_checking_it(tmp_path, capsys):
     path, model = small_checkpoint(tmp_path)
     out = tmp_path / "model.onnx"
@@ -236,7 +167,7 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
     assert "two-stage takes the top 12 of the encoder's proposals, and this canvas gives 4" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         main(["--to", "torch", str(path), out, "--postprocess"])
-    assert stop.value.code == 2 and "are for --to onnx, not --to torch" in capsys.readouterr().err
+    assert stop.value.code == 2 and "are for --to onnx or mlx, not --to torch" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"^image 1: 100 x 50 does not fit the 96 x 128 canvas"):
         pad_to_canvas([np.zeros((10, 10, 3)), np.zeros((100, 50, 3))], CANVAS)
     monkeypatch.setitem(sys.modules, "onnx", None)  # as if the extra were not installed

@@ -24,6 +24,7 @@ from ..config import Config, config_to_dict, load_config
 from ..data import build_dataset, collate
 from ..data.classes import describe_match, match_classes
 from ..data.transforms import normalize, resize
+from ..deploy.mlxfn import export_mlx
 from ..deploy.onnx.export import export_onnx
 from ..models import post_process
 from ..weights import conversion
@@ -191,10 +192,14 @@ class Detector:
 
     def export(self, to: str, path, hf_backbone: str = "timm", **canvas) -> str:
         """The model for another framework: `to` "torch" (the authors' `.pth`), "huggingface" (a folder
-        for transformers' from_pretrained; `hf_backbone` timm or transformers), or "onnx" (the forward on
-        a fixed canvas: `size` (H, W), `batch_size`, `postprocess`, `sampler`; deploy/onnx). -> a summary."""
+        for transformers' from_pretrained; `hf_backbone` timm or transformers), "onnx" (the forward on
+        a fixed canvas: `size` (H, W), `batch_size`, `postprocess`, `sampler`; deploy/onnx), or "mlx"
+        (an `.mlxfn` file of the same forward, `mx.export_function`: `size`, `batch_size`, `postprocess`;
+        deploy/mlxfn.py). -> a summary."""
         if to == "onnx":
             return export_onnx(self.model, self.cfg, Path(path), **canvas)
+        if to == "mlx":
+            return export_mlx(self.model, self.cfg, Path(path), **canvas)
         weights = {k: np.array(v) for k, v in tree_flatten(self.model.parameters())}
         source = self.source or "the model"
         if to == "torch":
@@ -203,7 +208,7 @@ class Detector:
             return conversion.export_huggingface(
                 weights, config_to_dict(self.cfg), self.class_names, Path(path), hf_backbone, source
             )
-        raise ValueError(f"export to {to!r}: expected torch, huggingface or onnx")
+        raise ValueError(f"export to {to!r}: expected torch, huggingface, onnx or mlx")
 
 
 def _dataset_names(cfg: Config) -> dict:

@@ -31,12 +31,15 @@ class Conv2d(nn.Conv2d):
     convolution builds the same patches in general copies on one thread before the same GEMM, takes
     its generic loop at dilation > 1 (about 70x slower, kernels/patches.py), and its gradient w.r.t. a
     strided convolution's input runs about 50x slower than the convolution. Outputs are MLX's bit for
-    bit at dilation 1, gradients to float32 rounding (bench/conv.py)."""
+    bit at dilation 1, gradients to float32 rounding (bench/conv.py). In `kernels.export_mode()` it is
+    `nn.Conv2d` (`mx.conv2d`): an exported file runs on any device, and the custom VJP below would not
+    serialize."""
 
     def __call__(self, x):
         (stride, stride_w), (padding, padding_w) = self.stride, self.padding
         dilation = self.dilation if isinstance(self.dilation, int) else self.dilation[0]
-        if mx.default_device().type != mx.cpu or (stride, padding) != (stride_w, padding_w) or self.groups != 1:
+        on_cpu = mx.default_device().type == mx.cpu and not kernels.exporting()
+        if not on_cpu or (stride, padding) != (stride_w, padding_w) or self.groups != 1:
             return super().__call__(x)
         if self.weight.shape[1:3] == (1, 1) and padding == 0:
             y = x[:, ::stride, ::stride] @ self.weight.reshape(self.weight.shape[0], -1).T

@@ -13,6 +13,8 @@ from functools import cache
 
 import mlx.core as mx
 
+from ..export import exporting
+
 
 @cache
 def _load():
@@ -39,8 +41,11 @@ def missing() -> str | None:
 
 def for_float32(*arrays):
     """The extension where its float32 CPU operations can take `arrays` (built, the default device
-    the CPU, every array float32), or None: then the caller computes with MLX's own operations."""
+    the CPU, every array float32, not in `export_mode()`), or None: then the caller computes with MLX's
+    own operations."""
     extension = module()
-    if extension is None or mx.default_device().type != mx.cpu or any(a.dtype != mx.float32 for a in arrays):
+    if extension is None or exporting() or mx.default_device().type != mx.cpu:
+        return None
+    if any(a.dtype != mx.float32 for a in arrays):
         return None
     return extension

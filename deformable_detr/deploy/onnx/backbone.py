@@ -7,13 +7,10 @@ with a bias (float32 rounding differs from the MLX model's, well inside the test
 import numpy as np
 
 from ...models.backbone import ARCHITECTURES
+from ..check import conv_size
 from .builder import Graph
 
 BODY = "backbone.0.body"
-
-
-def conv_size(size: int, kernel: int, stride: int, padding: int, dilation: int = 1) -> int:
-    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
 def conv(g: Graph, x: str, prefix: str, stride: int = 1, padding: int = 0, dilation: int = 1, bn: str | None = None):
@@ -50,17 +47,6 @@ def block(g: Graph, x: str, prefix: str, bottleneck: bool, stride: int, dilation
     if f"{prefix}.downsample.0.weight" in g.weights:
         x = conv(g, x, f"{prefix}.downsample.0", stride, bn=f"{prefix}.downsample.1")
     return g.Relu(g.Add(out, x))
-
-
-def level_sizes(cfg, canvas: tuple) -> list:
-    """[(h, w)] of every feature level on the canvas: strides 8, 16, 32 (16 with DC5), or the last
-    only, then the extra levels' 3x3 stride-2 convolutions (each strided convolution rounds up)."""
-    strides = [8, 16, 16 if cfg.dilation else 32]
-    strides = strides if cfg.num_feature_levels > 1 else strides[-1:]
-    sizes = [tuple(-(-side // stride) for side in canvas) for stride in strides]
-    while len(sizes) < cfg.num_feature_levels:
-        sizes.append(tuple(conv_size(side, 3, 2, 1) for side in sizes[-1]))
-    return sizes
 
 
 def resnet(g: Graph, images: str, model_cfg, size: tuple) -> list:

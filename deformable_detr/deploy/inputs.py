@@ -1,13 +1,14 @@
-"""An exported file's inputs from images: resized and normalised as `predict` does, placed at the
+"""An exported file's inputs (ONNX or .mlxfn) from images: resized and normalised as `predict` does, placed at the
 top left of the canvas (as `collate` pads), with transformers' `pixel_mask`.
 
     inputs = canvas_inputs([Image.open("photo.jpg")], canvas=(800, 1333))
     logits, pred_boxes = session.run(None, inputs)  # onnxruntime.InferenceSession("model.onnx")
+    logits, pred_boxes = mx.import_function("model.mlxfn")(**inputs)  # numpy arrays taken as they are
 """
 
 import numpy as np
 
-from ...data.transforms import normalize, resized_shape
+from ..data.transforms import normalize, resized_shape
 
 
 def pad_to_canvas(images: list, canvas: tuple) -> dict:
@@ -20,7 +21,7 @@ def pad_to_canvas(images: list, canvas: tuple) -> dict:
         h, w = image.shape[:2]
         if h > height or w > width:
             raise ValueError(
-                f"image {i}: {h} x {w} does not fit the {height} x {width} canvas the ONNX file was exported for; "
+                f"image {i}: {h} x {w} does not fit the {height} x {width} canvas the file was exported for; "
                 "resize it or export with a larger --size"
             )
         pixel_values[i, :, :h, :w] = np.transpose(image, (2, 0, 1))

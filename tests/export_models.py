@@ -1,0 +1,77 @@
+"""Small models of every variant with their weights moved off init, padded batches and checkpoints:
+what the exporters' tests (ONNX, .mlxfn) run their files on."""
+
+from deformable_detr import build_model, load_config
+from deformable_detr.config import CONFIGS_DIR
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+CANVAS = (96, 128)
+SIZES = ((72, 100), (90, 60), (50, 50))  # landscape, portrait, square: padding below and to the right of each
+VARIANTS = ["r50", "r50_single_scale", "r50_single_scale_dc5", "r50_box_refine", "r50_two_stage"]
+SMALL = [
+    *("model.backbone=resnet18", "model.backbone_width=16", "model.hidden_dim=64", "model.nheads=4"),
+    *("model.enc_layers=2", "model.dec_layers=2", "model.dim_feedforward=64", "model.num_queries=12"),
+    *("model.num_classes=5", "model.enc_n_points=2", "model.dec_n_points=3", "model.dropout=0.0"),
+]
+
+
+def small_model(variant: str, padding_proposals_low: bool = True, seed: int = 0):
+    """A small model of the variant, every weight off its init: normal noise (0.1) on every
+    parameter, frozen batch norm's variances in [0.5, 1.5]. Two-stage: where `padding_proposals_low`,
+    the proposals of padding (whose memory is zeroed, so all alike) score below the image's, as a
+    trained model's do; else random weights pick them first."""
+    cfg = load_config(CONFIGS_DIR / f"{variant}.yaml", SMALL)
+    mx.random.seed(seed)
+    model = build_model(cfg)
+    model.eval()
+    rng = np.random.default_rng(seed)
+    moved = []
+    for key, value in tree_flatten(model.parameters()):
+        value = np.array(value)
+        value = (
+            rng.uniform(0.5, 1.5, value.shape)
+            if key.endswith("running_var")
+            else value + rng.normal(0, 0.1, value.shape)
+        )
+        moved.append((key, mx.array(value.astype(np.float32))))
+    model.load_weights(moved)
+    if cfg.model.two_stage and padding_proposals_low:  # the zeroed memory's LayerNorm output against class 0's row
+        params = dict(tree_flatten(model.parameters()))
+        row = np.array(params["transformer.enc_output_norm.weight"]) * np.array(params["class_embed.2.weight"])[0]
+        model.load_weights([("transformer.enc_output.bias", mx.array(-row / np.linalg.norm(row)))], strict=False)
+    return model, cfg
+
+
+def weights_of(model) -> dict:
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+def padded_batch(seed: int = 1):
+    """Three images of SIZES on the canvas -> (images (3, H, W, 3), mask (3, H, W) True on padding)."""
+    rng = np.random.default_rng(seed)
+    images = np.zeros((len(SIZES), *CANVAS, 3), np.float32)
+    mask = np.ones((len(SIZES), *CANVAS), bool)
+    for i, (h, w) in enumerate(SIZES):
+        images[i, :h, :w] = rng.standard_normal((h, w, 3))
+        mask[i, :h, :w] = False
+    return images, mask
+
+
+def assert_close(ours, theirs, what):
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    assert ours.shape == theirs.shape, what
+    difference = np.abs(ours - theirs).max() / np.abs(ours).max()
+    assert difference <= 1e-4, f"{what}: {difference:.2e} of the largest value"
+
+
+def small_checkpoint(tmp_path, variant="r50_two_stage"):
+    from deformable_detr.training.optimizer import build_optimizer
+    from deformable_detr.weights.checkpoint import save_checkpoint
+
+    model, cfg = small_model(variant)
+    path = tmp_path / "checkpoint.safetensors"
+    save_checkpoint(path, model, build_optimizer(cfg), cfg, {"epoch": 1, "step": 1, "global_step": 1}, {1: "thing"})
+    return path, model
