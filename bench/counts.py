@@ -51,8 +51,15 @@ class WorkCounter:
     core's taps. An input needs no gradient where it reached the first trainable layer from frozen ones
     only: here the frozen stem and layer1's output, read by layer2's first block's two layers."""
 
-    def __init__(self):
+    PARTS = ("backbone", "input_proj", "transformer.encoder", "transformer.decoder")
+
+    def __init__(self, model):
         self.products, self.attention_tap_channels = [], 0
+        # the part of the model each layer belongs to; the rest (reference points, heads): "other"
+        self._parts = {
+            id(m): next((part for part in self.PARTS if name.startswith(part)), "other")
+            for name, m in model.named_modules()
+        }
         self._frozen_inputs, self._seen_trainable, self._depth = [], False, 0
 
     def _record(self, module, x, y, k_in):
@@ -62,7 +69,10 @@ class WorkCounter:
             self._frozen_inputs.append(x)  # kept: its id stays its own
         needs_grad = self._seen_trainable and not any(x is frozen for frozen in self._frozen_inputs)
         sizes = dict(x=x.size, y=y.size, w=module.weight.size)
-        self.products.append(dict(flop=2 * y.size * k_in, trainable=trainable, needs_grad=needs_grad, **sizes))
+        part = self._parts.get(id(module), "other")
+        self.products.append(
+            dict(flop=2 * y.size * k_in, trainable=trainable, needs_grad=needs_grad, part=part, **sizes)
+        )
 
     def _wrap(self, cls, k_in):
         original = cls.__call__
@@ -120,7 +130,7 @@ def training_work(counter: WorkCounter, trainable_parameters: int) -> dict:
     formula = (
         f"{len(p)} convolutions and linear layers in the forward, {len(weight_grads)} with a weight gradient, "
         f"{len(input_grads)} with an input gradient: products {flop / 1e9:.1f} GFLOP "
-        f"(forward {sum(r['flop'] for r in p) / 1e9:.1f}); "
+        f"(forward {sum(r['flop'] for r in p) / 1e9:.1f}: {by_part(counter)}); "
         f"attention 4 taps x C x (2 + 4) FLOP a sample: {6 * counter.attention_tap_channels / 1e9:.2f} GFLOP; "
         f"bytes: every product's operands and result once, + AdamW 7 x 4 B x {trainable_parameters:,} parameters"
     )
@@ -132,12 +142,20 @@ def training_work(counter: WorkCounter, trainable_parameters: int) -> dict:
     }
 
 
+def by_part(counter: WorkCounter) -> str:
+    """The forward's product GFLOP by part of the model."""
+    flop = {part: 0 for part in (*WorkCounter.PARTS, "other")}
+    for r in counter.products:
+        flop[r["part"]] += r["flop"]
+    return ", ".join(f"{part} {value / 1e9:.1f}" for part, value in flop.items())
+
+
 def inference_work(counter: WorkCounter) -> dict:
     p = counter.products
     flop = sum(r["flop"] for r in p)
     formula = (
         f"{len(p)} convolutions and linear layers, 2 x output elements x (kh kw C_in or inputs): "
-        f"{flop / 1e9:.1f} GFLOP; "
+        f"{flop / 1e9:.1f} GFLOP ({by_part(counter)}); "
         f"attention 4 taps x C x 2 FLOP a sample: {2 * counter.attention_tap_channels / 1e9:.2f} GFLOP; "
         "bytes: every product's input, weight and output once"
     )
@@ -170,7 +188,7 @@ def count_work(root, task: str, size, repeats: int) -> tuple[dict, float]:
     else:
         trainer = Trainer.from_config(model, cfg, [size[::-1]])  # (width, height); freezes stem and layer1
     mx.eval(model.parameters())
-    with WorkCounter() as counter:
+    with WorkCounter(model) as counter:
         mx.eval(model(mx.array(images), mx.array(mask)))
     if task == "inference":
         x, m = mx.array(images), mx.array(mask)

@@ -129,8 +129,8 @@ def attention_rows(ceilings: dict, repeats: int) -> tuple[list, list]:
                 f"{work['flop'] / 1e9:.2f} GFLOP, {work['tap_bytes'] / 1e9:.2f} GB taps, {work['bytes'] / 1e9:.3f} GB"
             )
             rows.append((name, text, seconds_bound, which, seconds))
-            if where == "uniform":
-                notes.append(f"{name.split(',', 2)[2].strip()}: {work['formula']}")
+            if where == "uniform":  # the same counts for both distributions
+                notes.append(f"attention, {'fwd+bwd' if both else 'fwd'} (either points): {work['formula']}")
     return rows, notes
 
 
