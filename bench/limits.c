@@ -78,9 +78,9 @@ static void fma_chains(long iterations) {
   }
 
 static void run_fma(int threads) {
-  const long iterations = 50000000;
+  const long iterations = 20000000;  // about 0.1 s a trial
   omp_set_num_threads(threads);
-  BEST_OF(5, fma_chains(iterations));
+  BEST_OF(9, fma_chains(iterations));
   double flop = threads * 2.0 * LANES * CHAINS * (double)iterations;
   printf("{\"what\": \"fma\", \"threads\": %d, \"isa\": \"%s\", \"chains\": %d, \"gflops\": %.2f}\n", threads, ISA,
          CHAINS, flop / best / 1e9);
@@ -107,7 +107,7 @@ static void run_read(size_t bytes, int threads) {
   float* mine[256];
 #pragma omp parallel
   mine[omp_get_thread_num()] = buffer(n * sizeof(float));
-  BEST_OF(7, for (long r = 0; r < sweeps; r++) read_sum(mine[omp_get_thread_num()], n));
+  BEST_OF(11, for (long r = 0; r < sweeps; r++) read_sum(mine[omp_get_thread_num()], n));
   printf("{\"what\": \"read\", \"bytes\": %zu, \"threads\": %d, \"gbs\": %.2f}\n", bytes, threads,
          (double)threads * sweeps * n * sizeof(float) / best / 1e9);
 }
@@ -128,7 +128,7 @@ static void run_update(size_t bytes, int threads) {
     xs[omp_get_thread_num()] = buffer(n * sizeof(float));
     ys[omp_get_thread_num()] = buffer(n * sizeof(float));
   }
-  BEST_OF(7, for (long r = 0; r < sweeps; r++) update(ys[omp_get_thread_num()], xs[omp_get_thread_num()], n));
+  BEST_OF(11, for (long r = 0; r < sweeps; r++) update(ys[omp_get_thread_num()], xs[omp_get_thread_num()], n));
   // 3 floats an element: x and y read, y written
   printf("{\"what\": \"update\", \"bytes\": %zu, \"threads\": %d, \"gbs\": %.2f}\n", bytes, threads,
          (double)threads * sweeps * 3 * n * sizeof(float) / best / 1e9);
@@ -164,7 +164,7 @@ static void run_gather(size_t bytes, int row_bytes, int threads) {
       picks[t][i] = (uint32_t)(state % rows);
     }
   }
-  BEST_OF(5, gather_rows(mine[omp_get_thread_num()], picks[omp_get_thread_num()], count, row_floats));
+  BEST_OF(7, gather_rows(mine[omp_get_thread_num()], picks[omp_get_thread_num()], count, row_floats));
   printf("{\"what\": \"gather\", \"bytes\": %zu, \"row\": %d, \"threads\": %d, \"gbs\": %.2f}\n", bytes, row_bytes,
          threads, (double)threads * count * row_bytes / best / 1e9);
 }
@@ -180,7 +180,7 @@ static void run_stream(size_t bytes, int threads) {
 #pragma omp parallel for schedule(static)  // first touch by the thread that uses the pages
   for (size_t i = 0; i < n; i++) a[i] = 1.0f, b[i] = 2.0f, c[i] = 0.0f;
   double copy = 1e30, triad = 1e30;
-  for (int trial = 0; trial < 5; trial++) {
+  for (int trial = 0; trial < 7; trial++) {
     double start = omp_get_wtime();
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) c[i] = a[i];
