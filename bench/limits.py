@@ -195,8 +195,8 @@ def ceiling_lines(c: dict, rates: dict, head_bytes: int) -> list:
     head = head_bytes / MiB
     lines = [
         "",
-        "## Ceilings (best of several trials, before and after the workloads; GB/s counted as STREAM does, "
-        "write-allocate reads not counted)",
+        "## Ceilings (best of several trials, before and after the workloads; all cores at least one core's; "
+        "GB/s counted as STREAM does, write-allocate reads not counted)",
         "",
         f"- FMA peak ({c['isa']}, register-resident independent chains): {c['fma_1']:.1f} GFLOP/s one core, "
         f"{c['fma_all']:.1f} all cores",
@@ -245,11 +245,15 @@ def main(argv=None):
         first = machine_ceilings(binary, threads, head_bytes)
         rates = sgemm_rates(args.repeats)
         # the workloads' times are measured after the ceilings, the ceilings again after them: a machine
-        # shared with other work reaches its ceiling in its quieter moments, so the higher of the two
+        # shared with other work reaches its ceilings in its quieter moments, so the higher of the two
         measured = {"attention": attention_times(args.repeats)}
         measured["r50"] = r50_times((800, 1066), args.train_size[0], 3, args.big_repeats)
         last = machine_ceilings(binary, threads, head_bytes)
+        again = sgemm_rates(args.repeats)
+        rates = {shape: max(rate, again[shape]) for shape, rate in rates.items()}
     ceilings = {k: v if k == "isa" else max(v, last[k]) for k, v in first.items()}
+    for name in ("fma", "read_l1", "read_l2"):  # all cores reach at least what one does (the others idle)
+        ceilings[f"{name}_all"] = max(ceilings[f"{name}_all"], ceilings[f"{name}_1"])
     lines += ceiling_lines(ceilings, rates, head_bytes)
     rows, notes = attention_rows(ceilings, measured["attention"])
     more_rows, more_notes = r50_rows(ceilings, rates, measured["r50"])
