@@ -1,7 +1,9 @@
 """The work a workload must do, counted from its shapes, for bench/limits.py: the attention core's taps,
 and an R50 forward's convolutions, linear layers and attention taps seen as they run."""
 
+import resource
 import sys
+import time
 from math import prod
 
 import kernels
@@ -43,6 +45,24 @@ def attention_work(value_shape, locations_shape, both: bool) -> dict:
             f"(1 + 3) x S = {rows / 1e9:.3f} GB; once = (2 value + 6 S + 2 output) x 4 B = {bytes_ / 1e9:.3f} GB"
         )
     return {"flop": flop, "tap_bytes": rows, "bytes": bytes_, "formula": formula}
+
+
+class CoresHad:
+    """How many cores this process had while the block ran: its CPU time (every thread's) over the wall
+    time. Below the cores it asked for where other work shared the machine; a BLAS thread spinning at a
+    barrier counts as had."""
+
+    @staticmethod
+    def _cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    def __enter__(self):
+        self._start = time.perf_counter(), self._cpu()
+        return self
+
+    def __exit__(self, *exc):
+        self.cores = (self._cpu() - self._start[1]) / (time.perf_counter() - self._start[0])
 
 
 class WorkCounter:
@@ -168,9 +188,9 @@ def inference_work(counter: WorkCounter) -> dict:
     }
 
 
-def count_work(root, task: str, size, repeats: int) -> tuple[dict, float]:
+def count_work(root, task: str, size, repeats: int) -> tuple[dict, float, float]:
     """R50 (configs/r50.yaml, bench/model.py's setup) inference at batch 1 or a training step at batch 2
-    (checkpointing off): the work counted in one forward, and the median time of `repeats`."""
+    (checkpointing off): the work counted in one forward, the median time of `repeats`, the cores had."""
     from deformable_detr.training.trainer import Trainer
 
     from mlx.utils import tree_flatten
@@ -192,11 +212,14 @@ def count_work(root, task: str, size, repeats: int) -> tuple[dict, float]:
         mx.eval(model(mx.array(images), mx.array(mask)))
     if task == "inference":
         x, m = mx.array(images), mx.array(mask)
-        return inference_work(counter), median_time(lambda: mx.eval(model(x, m)), repeats)
+        with CoresHad() as had:
+            seconds = median_time(lambda: mx.eval(model(x, m)), repeats)
+        return inference_work(counter), seconds, had.cores
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     targets = [
         {k: np.array(v, np.float32 if k == "boxes" else np.int64) for k, v in t.items()} for t in targets_for(batch)
     ]
-    seconds = median_time(lambda: trainer.step([(images, mask, targets)]), repeats)
+    with CoresHad() as had:
+        seconds = median_time(lambda: trainer.step([(images, mask, targets)]), repeats)
     print(f"counted and timed: {task} {size}", file=sys.stderr)
-    return training_work(counter, trainable), seconds
+    return training_work(counter, trainable), seconds, had.cores

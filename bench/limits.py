@@ -39,7 +39,7 @@ import mlx.core as mx  # noqa: E402
 from attention import ENCODER, inputs, time_kernels  # noqa: E402
 from common import image_sizes, median_time, report  # noqa: E402
 from conv import SHAPES as CONV_SHAPES  # noqa: E402
-from counts import attention_work, count_work  # noqa: E402
+from counts import CoresHad, attention_work, count_work  # noqa: E402
 
 C_FLAGS = ["-O2", "-march=native", "-fopenmp"]
 MiB = 2**20
@@ -104,20 +104,21 @@ def bound(terms: list) -> tuple:
 
 
 def attention_times(repeats: int) -> dict:
-    """(points, forward + backward?) -> (work, median seconds) of the attention core, backend cpu."""
+    """(points, forward + backward?) -> (work, median seconds, cores had) of the attention core, backend cpu."""
     times = {}
     for where in ("uniform", "encoder"):
         arrays = inputs(**ENCODER, where=where)
-        seconds = time_kernels("cpu", ENCODER["shapes"], arrays, repeats)
+        with CoresHad() as had:
+            seconds = time_kernels("cpu", ENCODER["shapes"], arrays, repeats)
         for both, median in zip((False, True), seconds, strict=True):
-            times[where, both] = attention_work(arrays[0].shape, arrays[1].shape, both), median
+            times[where, both] = attention_work(arrays[0].shape, arrays[1].shape, both), median, had.cores
     return times
 
 
 def attention_rows(ceilings: dict, times: dict) -> tuple[list, list]:
     """Table rows and the printed counts for the attention core, both point distributions."""
     rows, notes = [], []
-    for (where, both), (work, seconds) in times.items():
+    for (where, both), (work, seconds, cores) in times.items():
         taps_rate = (
             (ceilings["update_head_all"] if both else ceilings["read_head_all"])
             if where == "uniform"
@@ -132,14 +133,14 @@ def attention_rows(ceilings: dict, times: dict) -> tuple[list, list]:
         seconds_bound, which = bound(terms)
         name = f"attention, {'encoder-like' if where == 'encoder' else 'uniform'}, {'fwd+bwd' if both else 'fwd'}"
         text = f"{work['flop'] / 1e9:.2f} GFLOP, {work['tap_bytes'] / 1e9:.2f} GB taps, {work['bytes'] / 1e9:.3f} GB"
-        rows.append((name, text, seconds_bound, which, seconds))
+        rows.append((name, text, seconds_bound, which, seconds, cores))
         if where == "uniform":  # the same counts for both distributions
             notes.append(f"attention, {'fwd+bwd' if both else 'fwd'} (either points): {work['formula']}")
     return rows, notes
 
 
 def r50_times(size, train_size, repeats, big_repeats) -> dict:
-    """task -> (image size, work, median seconds): R50 inference and a training step."""
+    """task -> (image size, work, median seconds, cores had): R50 inference and a training step."""
     return {
         task: (image_size, *count_work(ROOT, task, image_size, big_repeats if task == "train" else repeats))
         for task, image_size in (("inference", size), ("train", train_size))
@@ -153,7 +154,7 @@ def r50_rows(ceilings, rates, times) -> tuple[list, list]:
     narrow = {shape: rate for shape, rate in rates.items() if shape != (4096, 4096, 4096)}
     # the backbone's products at their own rates: their FLOPs over the sum of their times
     narrow_rate = sum(2 * prod(s) for s in narrow) / sum(2 * prod(s) / r for s, r in narrow.items())
-    for task, (image_size, work, seconds) in times.items():
+    for task, (image_size, work, seconds, cores) in times.items():
         compute = work["product_flop"] / sgemm / 1e9 + work["attention_flop"] / ceilings["fma_all"] / 1e9
         terms = [
             ("FLOPs at sgemm 4096^2 (+ attention at FMA peak)", compute),
@@ -164,7 +165,8 @@ def r50_rows(ceilings, rates, times) -> tuple[list, list]:
         what = "inference" if task == "inference" else "training step"
         name = f"R50 {what}, batch {batch}, {image_size[0]}x{image_size[1]}"
         flop = work["product_flop"] + work["attention_flop"]
-        rows.append((name, f"{flop / 1e9:.1f} GFLOP, {work['bytes'] / 1e9:.2f} GB", seconds_bound, which, seconds))
+        text = f"{flop / 1e9:.1f} GFLOP, {work['bytes'] / 1e9:.2f} GB"
+        rows.append((name, text, seconds_bound, which, seconds, cores))
         notes.append(
             f"{name}: {work['formula']}; at the backbone's products' own sgemm rate ({narrow_rate:.1f} GFLOP/s) "
             f"instead of 4096^2's, the FLOPs would take {work['product_flop'] / narrow_rate / 1e9:.2f} s"
@@ -218,13 +220,12 @@ def table(rows: list) -> list:
         "",
         "## Workloads",
         "",
-        "| workload | work | bound (s) | which | measured (s) | ratio |",
-        "| --- | --- | ---: | --- | ---: | ---: |",
+        "| workload | work | bound (s) | which | measured (s) | ratio | cores had |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
     ]
-    for name, work, seconds_bound, which, seconds in rows:
-        lines.append(
-            f"| {name} | {work} | {seconds_bound:.4f} | {which} | {seconds:.4f} | {seconds / seconds_bound:.1f} |"
-        )
+    for name, work, seconds_bound, which, seconds, cores in rows:
+        ratio = seconds / seconds_bound
+        lines.append(f"| {name} | {work} | {seconds_bound:.4f} | {which} | {seconds:.4f} | {ratio:.1f} | {cores:.2f} |")
     return lines
 
 
