@@ -215,17 +215,24 @@ def ceiling_lines(c: dict, rates: dict, head_bytes: int) -> list:
     return lines
 
 
-def table(rows: list) -> list:
+def table(rows: list, threads: int) -> list:
+    """`cores had` (of `threads`): the process's CPU time over the wall time while measured; the last
+    column scales the bound by the cores missing, as if the ceilings were linear in the cores (FMA and
+    L1 are; memory is less): an estimate of the ratio on a machine the workload had to itself."""
     lines = [
         "",
         "## Workloads",
         "",
-        "| workload | work | bound (s) | which | measured (s) | ratio | cores had |",
-        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
+        f"| workload | work | bound (s) | which | measured (s) | ratio | cores had (of {threads}) | ratio, bound "
+        "for the cores had |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for name, work, seconds_bound, which, seconds, cores in rows:
-        ratio = seconds / seconds_bound
-        lines.append(f"| {name} | {work} | {seconds_bound:.4f} | {which} | {seconds:.4f} | {ratio:.1f} | {cores:.2f} |")
+        ratio, had = seconds / seconds_bound, min(cores, threads) / threads
+        lines.append(
+            f"| {name} | {work} | {seconds_bound:.4f} | {which} | {seconds:.4f} | {ratio:.1f} | {cores:.2f} "
+            f"| {ratio * had:.1f} |"
+        )
     return lines
 
 
@@ -258,7 +265,7 @@ def main(argv=None):
     lines += ceiling_lines(ceilings, rates, head_bytes)
     rows, notes = attention_rows(ceilings, measured["attention"])
     more_rows, more_notes = r50_rows(ceilings, rates, measured["r50"])
-    lines += table(rows + more_rows)
+    lines += table(rows + more_rows, threads)
     lines += ["", "## Counts", ""] + [f"- {note}" for note in notes + more_notes]
     lines.append(
         f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; batch {batch}, {heads} heads"
