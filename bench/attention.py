@@ -15,6 +15,7 @@ anew. On glibc's defaults (before 2026-12-02) the torch core's forward + backwar
 long here, ours 1.15x.
 """
 
+import os
 import platform
 import sys
 from pathlib import Path
@@ -54,6 +55,16 @@ def inputs(batch, shapes, heads, channels, points, seed=0, where="uniform"):
         locations = np.clip(centres[None, :, None, None, None, :] + offsets, 0, 1).astype(np.float32)
     weights = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points)).astype(np.float32)
     return value, locations, weights
+
+
+def cpu_model() -> str:
+    """The processor's name as Linux reports it, or the platform's word for it elsewhere."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"{names[0]} x {len(names)}" if names else platform.processor() or "unknown"
 
 
 def time_kernels(backend, shapes, arrays, repeats):
@@ -139,8 +150,8 @@ def main(argv=None):
         f"ms_deform_attn, encoder shape: B={b}, Q=L={q}, levels {list(shapes)}, "
         f"{h} heads x {ENCODER['channels']} channels, {p} points ({args.points}), float32",
         f"machine: {platform.machine()}, {platform.system()}, python {platform.python_version()}, "
-        f"mlx {mx.__version__} ({mx.default_device()}); glibc malloc: "
-        + ("freed memory kept, both sides (as our commands run)" if args.malloc == "kept" else "its defaults"),
+        f"mlx {mx.__version__} ({mx.default_device()}); glibc malloc: freed memory kept, both sides (as our "
+        f"commands run); CPU: {cpu_model()}, load average {os.getloadavg()[0]:.2f} at the start",
     ]
     torch_fwd, torch_both, torch_version = time_torch(shapes, arrays, args.repeats, args.threads, args.torch_device)
     where = f"{args.threads} threads" if args.torch_device == "cpu" else "cuda"
