@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import ENCODER, inputs  # noqa: E402
+from common import report  # noqa: E402
 
 SMALL = dict(batch=2, shapes=((9, 7), (4, 3)), heads=3, channels=32, points=4)
 NAMES = ("output", "grad_value", "grad_locations", "grad_weights")
@@ -77,10 +78,10 @@ def main(argv=None):
             for name, a in zip(NAMES, arrays_out, strict=True):
                 absolute, relative = differences(a, before[name])
                 lines.append(f"{case:22} {name:15} max abs {absolute:.3g}, max rel {relative:.3g} vs before")
-    text = "\n".join(lines)
-    print(text)
     if args.output:
-        args.output.write_text(text + "\n")
+        report(lines, args.output)
+    else:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

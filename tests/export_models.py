@@ -75,3 +75,18 @@ def small_checkpoint(tmp_path, variant="r50_two_stage"):
     path = tmp_path / "checkpoint.safetensors"
     save_checkpoint(path, model, build_optimizer(cfg), cfg, {"epoch": 1, "step": 1, "global_step": 1}, {1: "thing"})
     return path, model
+
+
+def assert_post_processed(model, inputs: dict, target_sizes, exported: tuple):
+    """An exported --postprocess graph's (scores, labels, boxes) on the canvas inputs against
+    post_process of our model's outputs on the same inputs, image by image."""
+    from deformable_detr.models import post_process
+
+    scores, labels, boxes = exported
+    images = mx.array(inputs["pixel_values"].transpose(0, 2, 3, 1))
+    ours = post_process(model(images, mx.array(inputs["pixel_mask"] == 0)), target_sizes.tolist())
+    assert scores.shape == (3, 12 * 5) and labels.dtype == np.int64  # all 60 (query, class) pairs, < 100
+    for i, detections in enumerate(ours):
+        assert_close(detections["scores"], scores[i], "scores")
+        np.testing.assert_array_equal(np.array(detections["labels"]), labels[i])
+        assert_close(detections["boxes"], boxes[i], "boxes in pixels")

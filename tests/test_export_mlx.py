@@ -17,7 +17,16 @@ from deformable_detr.models import post_process
 import mlx.core as mx
 import numpy as np
 import pytest
-from export_models import CANVAS, SIZES, VARIANTS, assert_close, padded_batch, small_checkpoint, small_model
+from export_models import (
+    CANVAS,
+    SIZES,
+    VARIANTS,
+    assert_close,
+    assert_post_processed,
+    padded_batch,
+    small_checkpoint,
+    small_model,
+)
 from PIL import Image
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mlxfn"
@@ -72,13 +81,7 @@ def test_postprocess_file_gives_post_process_detections(variant, tmp_path):
     target_sizes = np.array([[p.height, p.width] for p in photos], np.int64)
     scores, labels, boxes = in_plain_mlx(tmp_path / "model.mlxfn", {**inputs, "target_sizes": target_sizes}, tmp_path)
 
-    images = mx.array(inputs["pixel_values"].transpose(0, 2, 3, 1))
-    ours = post_process(model(images, mx.array(inputs["pixel_mask"] == 0)), target_sizes.tolist())
-    assert scores.shape == (3, 12 * 5) and labels.dtype == np.int64  # all 60 (query, class) pairs, < 100
-    for i, detections in enumerate(ours):
-        assert_close(detections["scores"], scores[i], "scores")
-        np.testing.assert_array_equal(np.array(detections["labels"]), labels[i])
-        assert_close(detections["boxes"], boxes[i], "boxes in pixels")
+    assert_post_processed(model, inputs, target_sizes, (scores, labels, boxes))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,17 @@ from deformable_detr.deploy.inputs import canvas_inputs, pad_to_canvas  # noqa: 
 from deformable_detr.deploy.onnx.detector import build_graph  # noqa: E402
 from deformable_detr.export import main  # noqa: E402
 
-from export_models import CANVAS, SIZES, VARIANTS, assert_close, padded_batch, small_checkpoint, small_model, weights_of  # noqa: E402
+from export_models import (  # noqa: E402
+    CANVAS,
+    SIZES,
+    VARIANTS,
+    assert_close,
+    assert_post_processed,
+    padded_batch,
+    small_checkpoint,
+    small_model,
+    weights_of,
+)
 
 
 def session(model_proto):
@@ -60,13 +70,7 @@ def test_postprocess_graph_gives_post_process_detections(variant):
     graph = build_graph(weights_of(model), cfg.model, CANVAS, batch=len(photos), postprocess=True)
     scores, labels, boxes = session(graph).run(["scores", "labels", "boxes"], {**inputs, "target_sizes": target_sizes})
 
-    images = mx.array(inputs["pixel_values"].transpose(0, 2, 3, 1))
-    ours = post_process(model(images, mx.array(inputs["pixel_mask"] == 0)), target_sizes.tolist())
-    assert scores.shape == (3, 12 * 5) and labels.dtype == np.int64  # all 60 (query, class) pairs, < 100
-    for i, detections in enumerate(ours):
-        assert_close(detections["scores"], scores[i], "scores")
-        np.testing.assert_array_equal(np.array(detections["labels"]), labels[i])
-        assert_close(detections["boxes"], boxes[i], "boxes in pixels")
+    assert_post_processed(model, inputs, target_sizes, (scores, labels, boxes))
 
 
 def test_hugging_face_code_runs_the_file_unchanged():
