@@ -3,6 +3,9 @@ path: forward and every gradient, every layout and flag, on the edge points of t
 threads; dispatch."""
 
 import itertools
+import os
+import subprocess
+import sys
 
 import kernels
 from kernels import backends, cpu
@@ -22,7 +25,7 @@ F32 = dict(rtol=1e-5, atol=1e-5)
 @pytest.mark.parametrize("padding,align_corners", list(itertools.product(["zeros", "border"], [False, True])))
 def test_cpu_kernel_matches_mlx_path(padding, align_corners, value_layout, locations_layout, rng):
     shapes = shapes_for(align_corners)
-    # with NaN and infinite locations; 3 levels x 4 points: eight located at once, four one by one
+    # with NaN and infinite locations; 3 levels x 4 points: one vector of 16 (AVX-512) or 8 and a padded one
     value, locations, weights = ms_inputs(rng, shapes, align_corners, points=4)
     if value_layout == "BNLC":
         value = value.transpose(0, 2, 1, 3)
@@ -72,9 +75,9 @@ def test_cpu_kernel_vector_rows_compute_as_the_general_loop(rng):
 
 @pytest.mark.parametrize("padding,align_corners", list(itertools.product(["zeros", "border"], [False, True])))
 def test_cpu_kernel_locates_eight_points_at_once_as_one_by_one(padding, align_corners, rng):
-    """A sample's points are located eight at a time in vector registers and the rest one by one:
-    the same points, taken as 3 levels x 4 points (lanes of two levels, then four one by one) and as
-    3 levels x 1 point (all one by one), give the same location and weight gradients bit for bit
+    """A sample's points are located a vector at a time (16 or 8 lanes), the last vector padded: the
+    same points, taken as 3 levels x 4 points (lanes of several levels) and as 3 levels x 1 point (one
+    padded vector of three), give the same location and weight gradients bit for bit
     (each depends on its own point's taps only), and, with one point weighted, the same output; on
     pixel centres, edges, clip limits, outside, -0, NaN and infinite points."""
     shapes = shapes_for(align_corners)
@@ -165,6 +168,43 @@ def test_cpu_kernel_threads_split_work_not_results(rng, monkeypatch):
     cpu.ms_deform_attn_core.cache_clear()
     for one, three in zip(*results, strict=True):
         np.testing.assert_array_equal(np.array(one), np.array(three))
+
+
+BUILD_RESULTS = """
+import sys
+import numpy as np
+import kernels, mlx.core as mx
+data = np.load(sys.argv[1])
+shapes = ((9, 7), (4, 3), (2, 5))
+args = [mx.array(data[name]) for name in ("value", "locations", "weights")]
+(out,), grads = mx.vjp(lambda v, l, w: kernels.ms_deform_attn(v, shapes, None, l, w, backend="cpu"), args,
+                       [mx.array(data["cotangent"])])
+np.savez(sys.argv[2], *[np.array(a) for a in (out, *grads)])
+"""
+
+
+@pytest.mark.parametrize("channels", [32, 71])
+def test_cpu_kernel_builds_give_the_same_bits(channels, rng, tmp_path):
+    """The kernel is built for AVX-512, AVX2 and the baseline and runs the widest this CPU has
+    (KERNELS_ATTENTION_ISA=2|1|0 caps it, read once by a process): each build this CPU can run gives
+    the same output and gradients bit for bit, with edge, NaN and infinite points, 3 levels x 4 points."""
+    shapes = ((9, 7), (4, 3), (2, 5))
+    value, locations, weights = (np.array(a) for a in ms_inputs(rng, shapes, False, channels=channels, points=4))
+    cotangent = rng.standard_normal((value.shape[0], locations.shape[1], value.shape[2] * channels)).astype(np.float32)
+    np.savez(tmp_path / "inputs.npz", value=value, locations=locations, weights=weights, cotangent=cotangent)
+    results = {}
+    for isa in ("2", "1", "0"):
+        env = {**os.environ, "KERNELS_ATTENTION_ISA": isa}
+        out = tmp_path / f"isa{isa}.npz"
+        command = [sys.executable, "-c", BUILD_RESULTS, str(tmp_path / "inputs.npz"), str(out)]
+        subprocess.run(command, env=env, check=True)
+        with np.load(out) as saved:
+            results[isa] = [saved[f"arr_{i}"] for i in range(4)]
+    assert np.abs(results["0"][2]).max() > 0
+    for isa in ("2", "1"):
+        names = ("output", "value", "locations", "weights")
+        for name, got, want in zip(names, results[isa], results["0"], strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=f"KERNELS_ATTENTION_ISA={isa}: {name}")
 
 
 def test_default_backend_on_the_cpu_device_is_the_cpu_kernel_except_float64():
