@@ -74,7 +74,7 @@ def test_cpu_kernel_vector_rows_compute_as_the_general_loop(rng):
 
 
 @pytest.mark.parametrize("padding,align_corners", list(itertools.product(["zeros", "border"], [False, True])))
-def test_cpu_kernel_locates_eight_points_at_once_as_one_by_one(padding, align_corners, rng):
+def test_cpu_kernel_locates_a_vector_of_points_as_one_by_one(padding, align_corners, rng):
     """A sample's points are located a vector at a time (16 or 8 lanes), the last vector padded: the
     same points, taken as 3 levels x 4 points (lanes of several levels) and as 3 levels x 1 point (one
     padded vector of three), give the same location and weight gradients bit for bit
