@@ -1,6 +1,7 @@
 // ms_deform_attn forward and backward on the CPU, multi-threaded, float32: the arithmetic of a
-// sample point is sampling.h's (shared with the Metal and CUDA kernels), lane by lane. The loops are
-// in ms_deform_attn_rows.h; ms_deform_attn.cpp runs them inside MLX operations.
+// sample point is that of fused/sampling.h (the Metal and CUDA kernels' source), written out lane by
+// lane in vectors. The loops are in ms_deform_attn_rows.h; ms_deform_attn.cpp runs them inside MLX
+// operations.
 //
 // Both go head by head: a thread copies the (L, C) rows of the head it works on into a block of its
 // own, whatever value's layout, so that they stay in its cache and a tap's right-hand neighbour is
@@ -19,7 +20,6 @@
 #include <new>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__GNUC__)
@@ -27,15 +27,8 @@
 #else
 #define INLINE static inline
 #endif
-#define LANES 1
-INLINE uint32_t float_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits;
-}
 
 #include "parallel.h"
-#include "sampling.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC notes that a 32-byte vector passed by value has another ABI in its baseline build than with

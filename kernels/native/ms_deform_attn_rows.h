@@ -31,17 +31,6 @@ INLINE F8 load8(const float* from) {
 }
 INLINE void store(float* to, F v) { std::memcpy(to, &v, sizeof v); }
 INLINE void store_int(int32_t* to, I v) { std::memcpy(to, &v, sizeof v); }
-// w in every lane (a braced list or `zero + w` would not keep the sign of -0)
-INLINE F splat(float w) {
-  F v{};
-  v[0] = w;
-#if ROWS_W == 16
-  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-#else
-  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
-#endif
-}
-
 // floor() of values within [-8, 2^23): truncated, one less where that rounded up. It gives +0 for
 // -0, whose fraction then is -0 instead of +0: a zero whose sign reaches only sums that start at +0.
 INLINE F floored(F x) {
@@ -57,7 +46,6 @@ INLINE F sanitized(F x, F size) {
 // The taps of one sample. Fixed by the problem: each point's level (sizes, where its rows start).
 struct Taps {
   int n, padded;  // points, and points rounded up to whole vectors
-  int length, channels;
   std::vector<float> scale_x, scale_y, width_f, height_f;
   std::vector<int32_t> width, start;
   // per point of the current sample
@@ -72,8 +60,7 @@ struct Taps {
   std::vector<float> tail_x, tail_y, tail_attention;
 
   explicit Taps(const Problem& p)
-      : n(p.levels * p.points), padded((n + W - 1) / W * W), length(p.length), channels(p.channels),
-        scale_x(padded, 1.0f), scale_y(padded, 1.0f), width_f(padded, 1.0f), height_f(padded, 1.0f),
+      : n(p.levels * p.points), padded((n + W - 1) / W * W), scale_x(padded, 1.0f), scale_y(padded, 1.0f), width_f(padded, 1.0f), height_f(padded, 1.0f),
         width(padded, 1), start(padded, 0), attention(padded), chain_x(padded), chain_y(padded), row(4 * padded),
         scaled(4 * padded), weight(4 * padded), dx(4 * padded), dy(4 * padded), tail_x(W), tail_y(W),
         tail_attention(W) {
@@ -114,12 +101,17 @@ struct Taps {
   void prefetch(const Problem& p, int64_t sample, int b, const float* out, int64_t out_size,
                 const float* grad_locations = nullptr, const float* grad_weights = nullptr) {
     find(p, sample, b);
+    // x and y: 2n floats interleaved, or (B2QHLP) n floats each, apart
     for (int64_t at = 0; at < location_stride * n; at += 16) {  // 16 floats: a cache line
       __builtin_prefetch(p.locations + location_x + at);
-      __builtin_prefetch(p.locations + location_y + at);
       if (grad_locations != nullptr) {
         __builtin_prefetch(grad_locations + location_x + at, 1);
-        __builtin_prefetch(grad_locations + location_y + at, 1);
+      }
+      if (location_stride == 1) {
+        __builtin_prefetch(p.locations + location_y + at);
+        if (grad_locations != nullptr) {
+          __builtin_prefetch(grad_locations + location_y + at, 1);
+        }
       }
     }
     for (int at = 0; at < n; at += 16) {
@@ -176,8 +168,8 @@ struct Taps {
   void locate(const Problem& p) {
     static_assert(PADDING == 0 || PADDING == 1, "zeros or border");
     const float offset = p.align_corners ? 0.0f : 0.5f;
-    const I row_size = I{} + channels;
-    const I zero_row = I{} + length * channels;
+    const I row_size = I{} + p.channels;
+    const I zero_row = I{} + p.length * p.channels;
     for (int i = 0; i < padded; i += W) {
       F u, v, a;
       inputs(p, i, u, v, a);
@@ -185,7 +177,7 @@ struct Taps {
       const F size_x = load(&width_f[i]), size_y = load(&height_f[i]);
       F x = u * load(&scale_x[i]) - offset;
       F y = v * load(&scale_y[i]) - offset;
-      F slope_x = splat(1.0f), slope_y = splat(1.0f);
+      F slope_x = F{} + 1.0f, slope_y = F{} + 1.0f;
       if constexpr (PADDING == 1) {  // clip_coordinate
         slope_x = (x > 0.0f) & (x < size_x - 1.0f) ? slope_x : 0.0f;
         slope_y = (y > 0.0f) & (y < size_y - 1.0f) ? slope_y : 0.0f;
@@ -301,10 +293,9 @@ INLINE void copy_row(const float* __restrict__ from, float* __restrict__ to, int
 struct HeadBlock {
   int64_t pair = -1;  // (batch, head) held
   std::unique_ptr<float[], AlignedDelete> rows;
-  float* block;
 
-  explicit HeadBlock(const Problem& p)
-      : rows(aligned_floats((int64_t(p.length) + 1) * p.channels)), block(rows.get()) {}
+  explicit HeadBlock(const Problem& p) : rows(aligned_floats((int64_t(p.length) + 1) * p.channels)) {}
+  float* block() const { return rows.get(); }
 
   // value's rows of pair = b * heads + head, and the zero row after them
   NO_MEMCPY_CALLS const float* hold(const Problem& p, int64_t wanted) {
@@ -313,18 +304,18 @@ struct HeadBlock {
       const float* from = p.value + p.value_base(int(wanted / p.heads), int(wanted % p.heads));
       const int64_t stride = p.row_stride(), c = p.channels;
       for (int64_t l = 0; l < p.length; ++l) {
-        copy_row(from + l * stride, block + l * c, c);
+        copy_row(from + l * stride, block() + l * c, c);
       }
-      std::fill(block + p.length * c, block + (p.length + 1) * c, 0.0f);
+      std::fill(block() + p.length * c, block() + (p.length + 1) * c, 0.0f);
     }
-    return block;
+    return block();
   }
   // the block's rows out to pair's rows in `to` (laid out as value)
   NO_MEMCPY_CALLS void write(const Problem& p, float* to, int64_t pair_out) const {
     to += p.value_base(int(pair_out / p.heads), int(pair_out % p.heads));
     const int64_t stride = p.row_stride(), c = p.channels;
     for (int64_t l = 0; l < p.length; ++l) {
-      copy_row(block + l * c, to + l * stride, c);
+      copy_row(block() + l * c, to + l * stride, c);
     }
   }
 };
@@ -532,7 +523,7 @@ void backward_rows(const Problem& p, const float* grad_output, float* grad_value
   for (int64_t pair = begin; pair < end; ++pair) {
     const int b = int(pair / p.heads), head = int(pair % p.heads);
     const float* rows = values.hold(p, pair);
-    std::fill(grads.block, grads.block + int64_t(p.length) * c_count, 0.0f);
+    std::fill(grads.block(), grads.block() + int64_t(p.length) * c_count, 0.0f);
     for (int64_t q = 0; q < p.queries; ++q) {
       const int64_t sample = (int64_t(b) * p.queries + q) * p.heads + head;
       if (q + PREFETCH_AHEAD < p.queries) {
@@ -540,7 +531,7 @@ void backward_rows(const Problem& p, const float* grad_output, float* grad_value
                        grad_locations, grad_weights);
       }
       taps.locate_sample<true>(p, sample, b);
-      backward_sample<CHANNELS>(p, taps, rows, grads.block, grad_output + sample * c_count, grad_locations,
+      backward_sample<CHANNELS>(p, taps, rows, grads.block(), grad_output + sample * c_count, grad_locations,
                                 grad_weights);
     }
     grads.write(p, grad_value, pair);
