@@ -1,6 +1,6 @@
 """`ms_deform_attn` on the CPU in C++ (kernels/native/ms_deform_attn_kernel.h: the arithmetic of
-`fused/sampling.h` lane by lane in vectors, threads over samples in the forward and (batch, head) pairs in the backward), as an
-MLX operation of `kernels._native`.
+`fused/sampling.h` lane by lane in vectors, threads over samples in the forward and (batch, head)
+pairs in the backward), as an MLX operation of `kernels._native`.
 
 MLX's own CPU gather and scatter run on one thread and pass through memory several times per
 sample point; this kernel reads each tap's row once per pass on every core. It is a lazy MLX
