@@ -1,12 +1,15 @@
 """What every exporter checks: the canvas and batch it is asked for (in one line each), and its own
-file against the MLX model on random images before the file is in place (`compare` in each).
+file against the MLX model on random images before the file is in place (`differences`, run by each
+exporter's `compare` with its own runtime).
 
 Its images: random pixels at about 3/4 x 4/5 of the canvas (so with padding on both sides), each
 image of a batch its own size."""
 
+import mlx.core as mx
 import numpy as np
 
 from ..errors import UsageError
+from ..models import post_process
 
 # Of the largest value (logits, boxes, scores): a wrong export is off by far more; float32 rounding
 # (folded batch norm, other summation orders) reached 4.7e-5 on R50 with random weights (the tests:
@@ -68,3 +71,21 @@ def detection_difference(ours: dict, theirs: dict, image: int) -> float:
     if not np.array_equal(np.array(ours["labels"])[clear], theirs["labels"][image][clear]):
         return float("inf")
     return max(worst, relative_difference(np.array(ours["boxes"])[clear], theirs["boxes"][image][clear]))
+
+
+def differences(model, canvas: tuple, batch: int, postprocess: bool, run) -> tuple:
+    """Run an exported file (`run`: its inputs, numpy arrays by name -> its outputs, a list) and the MLX
+    `model` on the same random images. -> (their largest difference, relative to the largest value;
+    what was compared, in words)."""
+    images, mask = check_images(canvas, batch)
+    inputs = {"pixel_values": images.transpose(0, 3, 1, 2).copy(), "pixel_mask": (~mask).astype(np.int64)}
+    outputs = model(mx.array(images), mx.array(mask))
+    if postprocess:
+        sizes = np.stack([(~mask).any(2).sum(1), (~mask).any(1).sum(1)], -1) * 2  # "original" images twice as large
+        inputs["target_sizes"] = sizes.astype(np.int64)
+        theirs = dict(zip(("scores", "labels", "boxes"), run(inputs), strict=True))
+        ours = post_process(outputs, sizes.tolist())
+        return max(detection_difference(o, theirs, i) for i, o in enumerate(ours)), "scores and boxes"
+    ours = [np.array(outputs["pred_logits"]), np.array(outputs["pred_boxes"])]
+    worst = max(relative_difference(o, t) for o, t in zip(ours, run(inputs), strict=True))
+    return worst, "logits and boxes"

@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import CommandError, UsageError
 from ..models import post_process
 from ..weights.files import atomic_write
-from .check import TOLERANCE, check_canvas, check_images, detection_difference, relative_difference
+from .check import TOLERANCE, check_canvas, differences
 
 # Runs in its own process: argv = the file, its inputs (.safetensors), where to write its outputs.
 # It imports only mlx, and says so, as a user's process without this package would.
@@ -98,24 +98,8 @@ def run_file(path: Path, inputs: dict) -> list:
 
 
 def compare(path: Path, model, canvas: tuple, batch: int, postprocess: bool) -> tuple:
-    """Run the file (`run_file`) and the model on the same random images. -> (their largest
-    difference, relative to the largest value; what was compared, in words)."""
-    images, mask = check_images(canvas, batch)
-    inputs = {"pixel_values": images.transpose(0, 3, 1, 2).copy(), "pixel_mask": (~mask).astype(np.int64)}
-    outputs = model(mx.array(images), mx.array(mask))
-    if postprocess:
-        sizes = np.stack([(~mask).any(2).sum(1), (~mask).any(1).sum(1)], -1) * 2  # "original" images twice as large
-        inputs["target_sizes"] = sizes.astype(np.int64)
-        theirs = dict(zip(DETECTIONS, run_file(path, inputs), strict=True))
-        ours = post_process(outputs, sizes.tolist())
-        differences = [detection_difference(o, theirs, i) for i, o in enumerate(ours)]
-        names = "scores and boxes"
-    else:
-        theirs = run_file(path, inputs)
-        ours = [np.array(outputs["pred_logits"]), np.array(outputs["pred_boxes"])]
-        differences = [relative_difference(o, t) for o, t in zip(ours, theirs, strict=True)]
-        names = "logits and boxes"
-    worst = max(differences)
+    """The file (`run_file`) and the model on the same random images (`check.differences`)."""
+    worst, names = differences(model, canvas, batch, postprocess, lambda inputs: run_file(path, inputs))
     where = "mx.import_function in a process with only mlx"
     return worst, f"{where}: its {names} within {worst:.1e} of the largest value of ours"
 

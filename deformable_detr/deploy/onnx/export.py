@@ -9,9 +9,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ...errors import CommandError, UsageError
-from ...models import post_process
 from ...weights.files import atomic_write
-from ..check import TOLERANCE, check_canvas, check_images, detection_difference, relative_difference
+from ..check import TOLERANCE, check_canvas, differences
 
 
 def require(module: str):
@@ -35,28 +34,12 @@ def check_options(cfg, weights: dict, canvas: tuple, batch: int, sampler: str):
 
 
 def compare(path: Path, model, canvas: tuple, postprocess: bool) -> tuple:
-    """Run the ONNX file in onnxruntime and the MLX `model` on the same random images. -> (their
-    largest difference, relative to the largest value; what was compared, in words)."""
-    import mlx.core as mx
+    """The ONNX file in onnxruntime and the MLX `model` on the same random images (`check.differences`)."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    images, mask = check_images(canvas, session.get_inputs()[0].shape[0])
-    inputs = {"pixel_values": images.transpose(0, 3, 1, 2).copy(), "pixel_mask": (~mask).astype(np.int64)}
-    outputs = model(mx.array(images), mx.array(mask))
-    if postprocess:
-        sizes = np.stack([(~mask).any(2).sum(1), (~mask).any(1).sum(1)], -1) * 2  # "original" images twice as large
-        inputs["target_sizes"] = sizes.astype(np.int64)
-        theirs = dict(zip(("scores", "labels", "boxes"), session.run(None, inputs), strict=True))
-        ours = post_process(outputs, sizes.tolist())
-        differences = [detection_difference(o, theirs, i) for i, o in enumerate(ours)]
-        names = "scores and boxes"
-    else:
-        theirs = session.run(None, inputs)
-        ours = [np.array(outputs["pred_logits"]), np.array(outputs["pred_boxes"])]
-        differences = [relative_difference(o, t) for o, t in zip(ours, theirs, strict=True)]
-        names = "logits and boxes"
-    worst = max(differences)
+    batch = session.get_inputs()[0].shape[0]
+    worst, names = differences(model, canvas, batch, postprocess, lambda inputs: session.run(None, inputs))
     return worst, f"onnxruntime {onnxruntime.__version__}'s {names} within {worst:.1e} of the largest value of ours"
 
 
