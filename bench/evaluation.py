@@ -29,7 +29,7 @@ from deformable_detr.inference.evaluation import STAT_NAMES, coco_evaluator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report  # noqa: E402
+from common import cpu_model, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("pycocotools", "faster_coco_eval")
@@ -89,15 +89,7 @@ def time_backends(coco_gt, detections, repeats: int) -> tuple[dict, dict]:
     return times, stats
 
 
-def cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-@entry_point(runtime=False)
+@entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=5000)
