@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bars, median_time  # noqa: E402
+from common import bars, cpu_model, median_time  # noqa: E402
 from torch_reference import ms_deform_attn_core  # noqa: E402  (the authors' core, shared with the tests)
 
 ENCODER = dict(batch=2, shapes=((100, 134), (50, 67), (25, 34), (13, 17)), heads=8, channels=32, points=4)
@@ -55,16 +55,6 @@ def inputs(batch, shapes, heads, channels, points, seed=0, where="uniform"):
         locations = np.clip(centres[None, :, None, None, None, :] + offsets, 0, 1).astype(np.float32)
     weights = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points)).astype(np.float32)
     return value, locations, weights
-
-
-def cpu_model() -> str:
-    """The processor's name as Linux reports it, or the platform's word for it elsewhere."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or "unknown"
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return f"{names[0]} x {len(names)}" if names else platform.processor() or "unknown"
 
 
 def time_kernels(backend, shapes, arrays, repeats):
@@ -151,7 +141,7 @@ def main(argv=None):
         f"{h} heads x {ENCODER['channels']} channels, {p} points ({args.points}), float32",
         f"machine: {platform.machine()}, {platform.system()}, python {platform.python_version()}, "
         f"mlx {mx.__version__} ({mx.default_device()}); glibc malloc: freed memory kept, both sides (as our "
-        f"commands run); CPU: {cpu_model()}, load average {os.getloadavg()[0]:.2f} at the start",
+        f"commands run); CPU: {cpu_model(count=True)}, load average {os.getloadavg()[0]:.2f} at the start",
     ]
     torch_fwd, torch_both, torch_version = time_torch(shapes, arrays, args.repeats, args.threads, args.torch_device)
     where = f"{args.threads} threads" if args.torch_device == "cpu" else "cuda"

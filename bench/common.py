@@ -3,6 +3,7 @@ as arguments, writing the report, the charts (pillow only)."""
 
 import argparse
 import json
+import platform
 import statistics
 import subprocess
 import sys
@@ -12,6 +13,19 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 COLORS = [(238, 119, 51), (0, 119, 187), (0, 153, 136), (204, 51, 17)]
+
+
+def cpu_model(count: bool = False) -> str:
+    """The processor's name as Linux reports it (with `count`, "name x N" for its N logical CPUs), or
+    the platform's word for it elsewhere."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    if not names:
+        return platform.processor() or platform.machine()
+    return f"{names[0]} x {len(names)}" if count else names[0]
 
 
 def median_time(run, repeats: int) -> float:

@@ -7,12 +7,10 @@ import time
 from math import prod
 
 import kernels
-from deformable_detr import build_model, load_config
 from deformable_detr.models import backbone
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from common import median_time
 
 FLOAT = 4  # bytes
@@ -188,26 +186,13 @@ def inference_work(counter: WorkCounter) -> dict:
     }
 
 
-def count_work(root, task: str, size, repeats: int) -> tuple[dict, float, float]:
+def count_work(task: str, size, repeats: int) -> tuple[dict, float, float]:
     """R50 (configs/r50.yaml, bench/model.py's setup) inference at batch 1 or a training step at batch 2
     (checkpointing off): the work counted in one forward, the median time of `repeats`, the cores had."""
-    from deformable_detr.training.trainer import Trainer
-
     from mlx.utils import tree_flatten
-    from model import targets_for
+    from model import ours_setup
 
-    batch = 1 if task == "inference" else 2
-    overrides = ["train.activation_checkpointing=false", "schedule.batch_size=2", "schedule.micro_batch_size=2"]
-    cfg = load_config(root / "configs" / "r50.yaml", overrides + (["model.dropout=0.0"] if task == "inference" else []))
-    model = build_model(cfg)
-    rng = np.random.default_rng(0)
-    images = rng.standard_normal((batch, *size, 3)).astype(np.float32)
-    mask = np.zeros((batch, *size), bool)
-    if task == "inference":
-        model.eval()
-    else:
-        trainer = Trainer.from_config(model, cfg, [size[::-1]])  # (width, height); freezes stem and layer1
-    mx.eval(model.parameters())
+    model, trainer, images, mask, targets = ours_setup(task, size)
     with WorkCounter(model) as counter:
         mx.eval(model(mx.array(images), mx.array(mask)))
     if task == "inference":
@@ -216,9 +201,6 @@ def count_work(root, task: str, size, repeats: int) -> tuple[dict, float, float]
             seconds = median_time(lambda: mx.eval(model(x, m)), repeats)
         return inference_work(counter), seconds, had.cores
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-    targets = [
-        {k: np.array(v, np.float32 if k == "boxes" else np.int64) for k, v in t.items()} for t in targets_for(batch)
-    ]
     with CoresHad() as had:
         seconds = median_time(lambda: trainer.step([(images, mask, targets)]), repeats)
     print(f"counted and timed: {task} {size}", file=sys.stderr)

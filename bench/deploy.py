@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 
-from common import measured, median_time, report  # noqa: E402
+from common import cpu_model, measured, median_time, report  # noqa: E402
 from model import SIZE, run_side  # noqa: E402
 
 SAMPLERS = ("gather", "grid_sample")
@@ -132,13 +132,6 @@ def run_onnxruntime(path: Path, repeats: int, threads: int) -> dict:
     env = runtime.malloc_environment({k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", *runtime.MALLOC)})
     command = [sys.executable, __file__, "--measure", str(path), "--repeats", str(repeats), "--threads", str(threads)]
     return measured(command, env, f"onnxruntime on {path.name}")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def table(rows: list, ours: float) -> list:

@@ -20,7 +20,6 @@ median measured time: ratio = measured / bound (1 would be at the machine's limi
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from attention import ENCODER, inputs, time_kernels  # noqa: E402
-from common import image_sizes, median_time, report  # noqa: E402
+from common import cpu_model, image_sizes, median_time, report  # noqa: E402
 from conv import SHAPES as CONV_SHAPES  # noqa: E402
 from counts import CoresHad, attention_work, count_work  # noqa: E402
 
@@ -142,7 +141,7 @@ def attention_rows(ceilings: dict, times: dict) -> tuple[list, list]:
 def r50_times(size, train_size, repeats, big_repeats) -> dict:
     """task -> (image size, work, median seconds, cores had): R50 inference and a training step."""
     return {
-        task: (image_size, *count_work(ROOT, task, image_size, big_repeats if task == "train" else repeats))
+        task: (image_size, *count_work(task, image_size, big_repeats if task == "train" else repeats))
         for task, image_size in (("inference", size), ("train", train_size))
     }
 
@@ -175,14 +174,7 @@ def r50_rows(ceilings, rates, times) -> tuple[list, list]:
 
 
 def header(threads: int) -> list:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
+    cpu = cpu_model()
     blas_env = {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")}
     return [
         f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; CPU: {cpu}, {threads} cores used ({os.cpu_count()} online); "

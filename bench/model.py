@@ -45,12 +45,14 @@ def targets_for(batch):
     return [{"labels": [1, 17, 62], "boxes": boxes} for _ in range(batch)]
 
 
-def measure_ours(task, repeats, size, checkpointing):
+def ours_setup(task, size, checkpointing=False):
+    """configs/r50.yaml's model on seeded random images: inference at batch 1 (evaluation mode, dropout
+    off), or a training step at batch 2 (its Trainer: stem and layer1 frozen). -> (model, trainer or
+    None, images, mask, targets or None), the images and mask numpy (B, H, W, 3) and (B, H, W)."""
     import mlx.core as mx
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    import kernels
     from deformable_detr import build_model, load_config
     from deformable_detr.training.trainer import Trainer
 
@@ -62,21 +64,33 @@ def measure_ours(task, repeats, size, checkpointing):
     batch = 1 if task == "inference" else 2
     images = rng.standard_normal((batch, *size, 3)).astype(np.float32)
     mask = np.zeros((batch, *size), bool)
+    trainer = targets = None
     if task == "inference":
         model.eval()
-        mx.eval(model.parameters())
-        x, m = mx.array(images), mx.array(mask)
-        seconds = median_time(lambda: mx.eval(model(x, m)), repeats)
     else:
         trainer = Trainer.from_config(model, cfg, [size[::-1]])  # (width, height)
         targets = [
             {k: np.array(v, np.float32 if k == "boxes" else np.int64) for k, v in t.items()} for t in targets_for(batch)
         ]
+    mx.eval(model.parameters())
+    return model, trainer, images, mask, targets
+
+
+def measure_ours(task, repeats, size, checkpointing):
+    import kernels
+
+    import mlx.core as mx
+
+    model, trainer, images, mask, targets = ours_setup(task, size, checkpointing)
+    if task == "inference":
+        x, m = mx.array(images), mx.array(mask)
+        seconds = median_time(lambda: mx.eval(model(x, m)), repeats)
+    else:
         seconds = median_time(lambda: trainer.step([(images, mask, targets)]), repeats)
     backend = kernels.available_backends()[-1]
     return {
         "seconds": seconds,
-        "batch": batch,
+        "batch": len(images),
         "mlx_peak_mib": mx.get_peak_memory() / 2**20,
         "versions": f"mlx {mx.__version__}, attention backend {backend}, BLAS {kernels.blas.description()}",
     }
