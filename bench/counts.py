@@ -192,7 +192,7 @@ def count_work(task: str, size, repeats: int) -> tuple[dict, float, float]:
     from mlx.utils import tree_flatten
     from model import ours_setup
 
-    model, trainer, images, mask, targets = ours_setup(task, size)
+    _, model, trainer, images, mask, targets = ours_setup(task, size)
     with WorkCounter(model) as counter:
         mx.eval(model(mx.array(images), mx.array(mask)))
     if task == "inference":

@@ -47,8 +47,9 @@ def targets_for(batch):
 
 def ours_setup(task, size, checkpointing=False):
     """configs/r50.yaml's model on seeded random images: inference at batch 1 (evaluation mode, dropout
-    off), or a training step at batch 2 (its Trainer: stem and layer1 frozen). -> (model, trainer or
-    None, images, mask, targets or None), the images and mask numpy (B, H, W, 3) and (B, H, W)."""
+    off), or a training step at batch 2 (its Trainer: stem and layer1 frozen), the weights from seed 0.
+    -> (cfg, model, trainer or None, images, mask, targets or None), the images and mask numpy
+    (B, H, W, 3) and (B, H, W)."""
     import mlx.core as mx
     import numpy as np
 
@@ -59,6 +60,7 @@ def ours_setup(task, size, checkpointing=False):
     overrides = [f"train.activation_checkpointing={str(checkpointing).lower()}"]
     overrides += ["schedule.batch_size=2", "schedule.micro_batch_size=2"]  # the step below: the plan's probes of 2
     cfg = load_config(ROOT / "configs" / "r50.yaml", overrides + ([] if task == "train" else ["model.dropout=0.0"]))
+    mx.random.seed(0)
     model = build_model(cfg)
     rng = np.random.default_rng(0)
     batch = 1 if task == "inference" else 2
@@ -73,7 +75,7 @@ def ours_setup(task, size, checkpointing=False):
             {k: np.array(v, np.float32 if k == "boxes" else np.int64) for k, v in t.items()} for t in targets_for(batch)
         ]
     mx.eval(model.parameters())
-    return model, trainer, images, mask, targets
+    return cfg, model, trainer, images, mask, targets
 
 
 def measure_ours(task, repeats, size, checkpointing):
@@ -81,7 +83,7 @@ def measure_ours(task, repeats, size, checkpointing):
 
     import mlx.core as mx
 
-    model, trainer, images, mask, targets = ours_setup(task, size, checkpointing)
+    _, model, trainer, images, mask, targets = ours_setup(task, size, checkpointing)
     if task == "inference":
         x, m = mx.array(images), mx.array(mask)
         seconds = median_time(lambda: mx.eval(model(x, m)), repeats)

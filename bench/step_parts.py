@@ -27,29 +27,13 @@ PARTS = ("backbone", "encoder", "decoder and heads", "matching and losses", "bac
 
 
 def build_step(checkpointing: bool, size: tuple[int, int]) -> tuple:
-    """The R50 config's model and trainer (micro-batch 2) and two random images of `size` with three
-    boxes each."""
-    from deformable_detr import build_model, load_config
-    from deformable_detr.training.trainer import Trainer
-
+    """bench/model.py's training step (the R50 config, micro-batch 2, two seeded images of `size` with
+    three boxes each), the images and mask as MLX arrays, and the step's box count."""
     import mlx.core as mx
-    import numpy as np
+    from model import ours_setup
 
-    overrides = [
-        f"train.activation_checkpointing={str(checkpointing).lower()}",
-        "schedule.batch_size=2",
-        "schedule.micro_batch_size=2",
-    ]
-    cfg = load_config(ROOT / "configs" / "r50.yaml", overrides)
-    mx.random.seed(0)
-    model = build_model(cfg)
-    trainer = Trainer.from_config(model, cfg, [size[::-1]])  # (width, height)
-    rng = np.random.default_rng(0)
-    images = mx.array(rng.standard_normal((2, *size, 3)).astype(np.float32))
-    mask = mx.zeros((2, *size), dtype=mx.bool_)
-    boxes = np.array([[0.3, 0.3, 0.2, 0.2], [0.7, 0.6, 0.3, 0.2], [0.5, 0.5, 0.6, 0.5]], np.float32)
-    targets = [{"labels": np.array([1, 17, 62]), "boxes": boxes} for _ in range(2)]
-    return cfg, model, trainer, images, mask, targets, trainer.num_boxes(targets)
+    cfg, model, trainer, images, mask, targets = ours_setup("train", size, checkpointing)
+    return cfg, model, trainer, mx.array(images), mx.array(mask), targets, trainer.num_boxes(targets)
 
 
 def parts_of_step(forward_parts, trainer, model, cfg, batch, seconds: dict) -> dict:
