@@ -1,7 +1,8 @@
 """Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and
 `ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature); beside them
 `linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
-`layer_norm`, `patches` (im2col) and `bernoulli16` (random masks) on every CPU core; and
+`layer_norm`, `patches` (im2col), `bernoulli16` (random masks) and `channel_affine` (a frozen batch
+norm with its residual and ReLU) on every CPU core; and
 `export_mode()`, within which all of them are MLX ops that `mx.export_function` can write.
 
 This package knows nothing of DETR. Importing it first sets up the BLAS under MLX's matrix products
@@ -14,6 +15,7 @@ blas.set_up()
 from .assignment import linear_assignment
 from .backends import available as available_backends
 from .bernoulli import bernoulli16
+from .channel_affine import channel_affine
 from .export import export_mode, exporting
 from .grid_sample import grid_sample
 from .layer_norm import layer_norm
@@ -25,6 +27,7 @@ __all__ = [
     "BACKENDS",
     "available_backends",
     "bernoulli16",
+    "channel_affine",
     "export_mode",
     "exporting",
     "grid_sample",

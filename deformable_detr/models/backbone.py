@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .precision import FrozenBatchNorm2d
-from .recompute import ReLU, checkpointed
+from .recompute import checkpointed
 
 # name -> (block, blocks per stage)
 ARCHITECTURES = {
@@ -90,15 +90,13 @@ class BasicBlock(nn.Module):
         self.bn1 = FrozenBatchNorm2d(channels)
         self.conv2 = conv(channels, channels, 3, 1, dilation)
         self.bn2 = FrozenBatchNorm2d(channels)
-        self.relu = ReLU()
         if downsample is not None:
             self.downsample = downsample
 
     def __call__(self, x):
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
+        out = self.bn1(self.conv1(x), relu=True)
         identity = x if "downsample" not in self else _sequential(self.downsample, x)
-        return self.relu(out + identity)
+        return self.bn2(self.conv2(out), residual=identity, relu=True)
 
 
 class Bottleneck(nn.Module):
@@ -112,16 +110,14 @@ class Bottleneck(nn.Module):
         self.bn2 = FrozenBatchNorm2d(channels)
         self.conv3 = conv(channels, channels * 4, 1)
         self.bn3 = FrozenBatchNorm2d(channels * 4)
-        self.relu = ReLU()
         if downsample is not None:
             self.downsample = downsample
 
     def __call__(self, x):
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
+        out = self.bn1(self.conv1(x), relu=True)
+        out = self.bn2(self.conv2(out), relu=True)
         identity = x if "downsample" not in self else _sequential(self.downsample, x)
-        return self.relu(out + identity)
+        return self.bn3(self.conv3(out), residual=identity, relu=True)
 
 
 def _sequential(layers, x):
@@ -142,7 +138,6 @@ class ResNet(nn.Module):
         widths = (width, 2 * width, 4 * width, 8 * width)  # torchvision: width 64
         self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
         self.bn1 = FrozenBatchNorm2d(width)
-        self.relu = ReLU()
         self.maxpool = nn.MaxPool2d(3, 2, 1)
         in_channels, current_dilation = width, 1
         for stage, (channels, depth) in enumerate(zip(widths, depths, strict=True)):
@@ -175,7 +170,7 @@ class ResNet(nn.Module):
         self.activation_checkpointing = False  # recompute layer2..layer4 in the backward (recompute.py)
 
     def __call__(self, x):
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.maxpool(self.bn1(self.conv1(x), relu=True))
         outputs = []
         for stage in range(1, 5):
             blocks = getattr(self, f"layer{stage}")

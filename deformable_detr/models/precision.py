@@ -16,6 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import recompute
+
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
@@ -44,7 +46,10 @@ class GroupNorm(nn.GroupNorm):
 
 
 class FrozenBatchNorm2d(nn.Module):
-    """Batch norm with fixed statistics and affine parameters (never trained)."""
+    """Batch norm with fixed statistics and affine parameters (never trained), and what follows it in
+    a ResNet block: `residual` added, then `relu`. In eval mode these are `kernels.channel_affine`
+    (one pass on every core, where MLX's ops made four on one); in training MLX's ops and
+    `recompute.relu`, which keeps only its output for the backward. The same numbers either way."""
 
     def __init__(self, channels: int, eps: float = 1e-5):
         super().__init__()
@@ -55,9 +60,15 @@ class FrozenBatchNorm2d(nn.Module):
         self.eps = eps
         self.freeze()
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None, relu: bool = False):
         scale = self.weight * mx.rsqrt(self.running_var + self.eps)  # float32: `computing_in` keeps it
-        return x * to(scale, x.dtype) + to(self.bias - self.running_mean * scale, x.dtype)
+        shift = to(self.bias - self.running_mean * scale, x.dtype)
+        scale = to(scale, x.dtype)
+        if not self.training:
+            return kernels.channel_affine(x, scale, shift, residual, relu)
+        y = x * scale + shift
+        y = y if residual is None else y + residual
+        return recompute.relu(y) if relu else y
 
 
 def _kept_in_float32(module) -> bool:

@@ -12,7 +12,7 @@ each layer's recomputation (which they need) stayed alive until the end of the b
 6 checkpointed encoder layers of the R50 model at 512 x 683 kept 2.4 GiB, as many as without
 checkpointing; with the ordering below, 1.0 GiB).
 
-What the backward keeps without recomputation is made smaller too: `relu` (`ReLU`), and `Dropout`
+What the backward keeps without recomputation is made smaller too: `relu`, and `Dropout`
 after a ReLU, take their gradients from their outputs (as PyTorch's ReLU does), so their inputs are
 freed after the forward (an encoder layer's FFN keeps one (L, 1024) activation, not two and a mask)."""
 
@@ -65,13 +65,6 @@ def _relu(x, training: bool):
     """`relu` in training; outside it plain max(x, 0), which MLX may compute in its input's buffer
     (`relu` holds its input until it is evaluated: R50 inference at 800 x 1066 peaked 9% higher)."""
     return relu(x) if training else mx.maximum(x, 0)
-
-
-class ReLU(nn.Module):
-    """`relu` in training, plain max(x, 0) in eval mode (`_relu`)."""
-
-    def __call__(self, x):
-        return _relu(x, self.training)
 
 
 @cache

@@ -2,6 +2,7 @@
 // passes through as mlx::core::array).
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -14,7 +15,7 @@ using namespace nb::literals;
 NB_MODULE(_native, m) {
   m.doc() =
       "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm, "
-      "patches and unpatches, bernoulli16";
+      "patches and unpatches, bernoulli16, channel_affine";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",
@@ -35,4 +36,6 @@ NB_MODULE(_native, m) {
   m.def("unpatches", &kernels::unpatches, "columns"_a, "height"_a, "width"_a, "kernel_h"_a, "kernel_w"_a, "stride"_a,
         "padding"_a, "dilation"_a, "threads"_a);
   m.def("bernoulli16", &kernels::bernoulli16, "key"_a, "shape"_a, "threshold"_a, "threads"_a);
+  m.def("channel_affine", &kernels::channel_affine, "x"_a, "scale"_a, "shift"_a, "residual"_a.none(), "relu"_a,
+        "threads"_a);
 }

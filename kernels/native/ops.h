@@ -3,6 +3,7 @@
 
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "mlx/array.h"
@@ -51,5 +52,10 @@ array unpatches(const array& columns, int height, int width, int kernel_h, int k
 // A bool array of `shape`, each element true with probability threshold / 65536, from `key` (two
 // uint32): the same key gives the same array.
 array bernoulli16(const array& key, const std::vector<int>& shape, int threshold, int threads);
+
+// x float32 (..., C), scale and shift (C,), residual as x or none: x * scale + shift (+ residual), then
+// max(., 0) with relu: MLX's multiply, add(s) and maximum bit for bit, in one pass on every core.
+array channel_affine(const array& x, const array& scale, const array& shift, const std::optional<array>& residual,
+                     bool relu, int threads);
 
 }  // namespace kernels
