@@ -7,7 +7,7 @@ import time
 from math import prod
 
 import kernels
-from deformable_detr.models import backbone
+from deformable_detr.models import backbone, linear
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,7 +111,12 @@ class WorkCounter:
         conv_k = lambda m: prod(m.weight.shape[1:])  # noqa: E731  (kh x kw x C_in / groups)
         linear_k = lambda m: m.weight.shape[1]  # noqa: E731
         self._saved = []
-        for cls, k_in in ((nn.Conv2d, conv_k), (backbone.Conv2d, conv_k), (nn.Linear, linear_k)):
+        for cls, k_in in (
+            (nn.Conv2d, conv_k),
+            (backbone.Conv2d, conv_k),
+            (nn.Linear, linear_k),
+            (linear.Linear, linear_k),
+        ):
             original, call = self._wrap(cls, k_in)
             self._saved.append((cls, original))
             cls.__call__ = call

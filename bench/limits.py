@@ -11,11 +11,12 @@ AVX2); the BLAS's sgemm rate through MLX (`mx.matmul`, the BLAS deformable_detr 
 and at the R50 backbone's convolutions as products (im2col shapes at 800 x 1066, bench/conv.py).
 
 Workloads: the attention core (`kernels.ms_deform_attn`, backend cpu, bench/attention.py's encoder
-shape and points, uniform and encoder-like), forward and forward + backward; R50 inference (batch
-1, 800 x 1066, bench/model.py's setup) and one training step (batch 2 at --train-size, checkpointing
-off). For each, the work it must do is counted from the shapes (the formulas are printed): bytes
-that must move and FLOPs, each term at the rate that applies, the bound their maximum, beside the
-median measured time: ratio = measured / bound (1 would be at the machine's limit).
+shape and points, uniform and encoder-like), forward and forward + backward (`mx.vjp` from a given
+output gradient); R50 inference (batch 1, 800 x 1066, bench/model.py's setup) and one training step
+(batch 2 at --train-size, checkpointing off). For each, the work it must do is counted from the
+shapes (the formulas are printed): bytes that must move and FLOPs, each term at the rate that
+applies, the bound their maximum, beside the median measured time: ratio = measured / bound (1 would
+be at the machine's limit).
 """
 
 import json
@@ -35,7 +36,7 @@ import kernels  # noqa: E402
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from attention import ENCODER, inputs, time_kernels  # noqa: E402
+from attention import ENCODER, inputs  # noqa: E402
 from common import cpu_model, image_sizes, median_time, report  # noqa: E402
 from conv import SHAPES as CONV_SHAPES  # noqa: E402
 from counts import CoresHad, attention_work, count_work  # noqa: E402
@@ -102,13 +103,28 @@ def bound(terms: list) -> tuple:
     return seconds, name
 
 
+def core_times(shapes, arrays, repeats) -> tuple[float, float]:
+    """Median seconds of the attention core's forward, and of its forward and backward from a given
+    output gradient (`mx.vjp`): the work the bound counts, without attention.py's loss around it (a
+    product with the cotangent and its sum, then their VJP: three more passes over the output)."""
+    value, locations, weights = (mx.array(a) for a in arrays)
+    cotangent = mx.ones((value.shape[0], locations.shape[1], value.shape[2] * value.shape[3]))
+
+    def core(v, locs, w):
+        return kernels.ms_deform_attn(v, shapes, None, locs, w, backend="cpu")
+
+    forward = median_time(lambda: mx.eval(core(value, locations, weights)), repeats)
+    both = median_time(lambda: mx.eval(mx.vjp(core, [value, locations, weights], [cotangent])), repeats)
+    return forward, both
+
+
 def attention_times(repeats: int) -> dict:
     """(points, forward + backward?) -> (work, median seconds, cores had) of the attention core, backend cpu."""
     times = {}
     for where in ("uniform", "encoder"):
         arrays = inputs(**ENCODER, where=where)
         with CoresHad() as had:
-            seconds = time_kernels("cpu", ENCODER["shapes"], arrays, repeats)
+            seconds = core_times(ENCODER["shapes"], arrays, repeats)
         for both, median in zip((False, True), seconds, strict=True):
             times[where, both] = attention_work(arrays[0].shape, arrays[1].shape, both), median, had.cores
     return times

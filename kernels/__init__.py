@@ -1,8 +1,8 @@
 """Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and
 `ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature); beside them
 `linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
-`layer_norm`, `patches` (im2col), `bernoulli16` (random masks) and `channel_affine` (a frozen batch
-norm with its residual and ReLU) on every CPU core; and
+`layer_norm`, `patches` (im2col), `bernoulli16` (random masks), `channel_affine` (a frozen batch
+norm with its residual and ReLU) and `linear` (its bias rows) on every CPU core; and
 `export_mode()`, within which all of them are MLX ops that `mx.export_function` can write.
 
 This package knows nothing of DETR. Importing it first sets up the BLAS under MLX's matrix products
@@ -19,6 +19,7 @@ from .channel_affine import channel_affine
 from .export import export_mode, exporting
 from .grid_sample import grid_sample
 from .layer_norm import layer_norm
+from .linear import linear
 from .ms_deform_attn import BACKENDS, ms_deform_attn
 from .patches import patches
 from .softmax import softmax
@@ -32,6 +33,7 @@ __all__ = [
     "exporting",
     "grid_sample",
     "layer_norm",
+    "linear",
     "linear_assignment",
     "ms_deform_attn",
     "patches",

@@ -10,6 +10,7 @@ from ..config import Config
 from .backbone import Backbone, Conv2d, resize_mask
 from .box_ops import box_cxcywh_to_xyxy
 from .deformable_transformer import DeformableTransformer, inverse_sigmoid
+from .linear import Linear
 from .position_encoding import PositionEmbeddingSine
 from .precision import GroupNorm, to
 
@@ -20,7 +21,7 @@ class MLP(nn.Module):
     def __init__(self, input_dim: int, hidden_dim: int, output_dim: int, num_layers: int):
         super().__init__()
         dims = [input_dim] + [hidden_dim] * (num_layers - 1) + [output_dim]
-        self.layers = [nn.Linear(n, k) for n, k in zip(dims[:-1], dims[1:], strict=True)]
+        self.layers = [Linear(n, k) for n, k in zip(dims[:-1], dims[1:], strict=True)]
 
     def __call__(self, x):
         for i, layer in enumerate(self.layers):
@@ -65,7 +66,7 @@ class DeformableDETR(nn.Module):
         num_layers = len(transformer.decoder.layers)
         num_pred = num_layers + 1 if two_stage else num_layers
         num_heads = num_pred if with_box_refine else 1
-        self.class_embed = [nn.Linear(hidden_dim, num_classes) for _ in range(num_heads)]
+        self.class_embed = [Linear(hidden_dim, num_classes) for _ in range(num_heads)]
         self.bbox_embed = [MLP(hidden_dim, hidden_dim, 4, 3) for _ in range(num_heads)]
         if not two_stage:
             self.query_embed = nn.Embedding(num_queries, hidden_dim * 2)

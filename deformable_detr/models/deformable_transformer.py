@@ -9,6 +9,7 @@ import kernels
 import mlx.core as mx
 import mlx.nn as nn
 
+from .linear import Linear
 from .ms_deform_attn import MSDeformAttn
 from .position_encoding import sine_embedding
 from .precision import LayerNorm, to, widened
@@ -29,7 +30,7 @@ class MultiheadAttention(nn.Module):
         bound = math.sqrt(6 / (d_model + 3 * d_model))
         self.in_proj_weight = mx.random.uniform(-bound, bound, (3 * d_model, d_model))
         self.in_proj_bias = mx.zeros((3 * d_model,))
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.out_proj = Linear(d_model, d_model)
         self.out_proj.bias = mx.zeros((d_model,))
 
     def __call__(self, query, key, value):
@@ -54,8 +55,8 @@ class DeformableTransformerEncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MSDeformAttn(d_model, n_levels, n_heads, n_points)
         self.norm1 = LayerNorm(d_model)
-        self.linear1 = nn.Linear(d_model, d_ffn)
-        self.linear2 = nn.Linear(d_ffn, d_model)
+        self.linear1 = Linear(d_model, d_ffn)
+        self.linear2 = Linear(d_ffn, d_model)
         self.norm2 = LayerNorm(d_model)
         self.dropout = Dropout(dropout)
 
@@ -107,8 +108,8 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.norm1 = LayerNorm(d_model)
         self.self_attn = MultiheadAttention(d_model, n_heads)
         self.norm2 = LayerNorm(d_model)
-        self.linear1 = nn.Linear(d_model, d_ffn)
-        self.linear2 = nn.Linear(d_ffn, d_model)
+        self.linear1 = Linear(d_model, d_ffn)
+        self.linear2 = Linear(d_ffn, d_model)
         self.norm3 = LayerNorm(d_model)
         self.dropout = Dropout(dropout)
 
@@ -182,12 +183,12 @@ class DeformableTransformer(nn.Module):
         self.decoder = DeformableTransformerDecoder(num_decoder_layers, n_points=dec_n_points, **common)
         self.level_embed = mx.random.normal((num_feature_levels, d_model))
         if two_stage:
-            self.enc_output = nn.Linear(d_model, d_model)
+            self.enc_output = Linear(d_model, d_model)
             self.enc_output_norm = LayerNorm(d_model)
-            self.pos_trans = nn.Linear(d_model * 2, d_model * 2)
+            self.pos_trans = Linear(d_model * 2, d_model * 2)
             self.pos_trans_norm = LayerNorm(d_model * 2)
         else:
-            self.reference_points = nn.Linear(d_model, 2)
+            self.reference_points = Linear(d_model, 2)
         self._reset_parameters()
 
     def _reset_parameters(self):

@@ -10,6 +10,7 @@ import kernels
 import mlx.core as mx
 import mlx.nn as nn
 
+from .linear import Linear
 from .precision import to, widened
 
 
@@ -27,10 +28,10 @@ class MSDeformAttn(nn.Module):
         if d_model % n_heads != 0:
             raise ValueError(f"MSDeformAttn: d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.d_model, self.n_levels, self.n_heads, self.n_points = d_model, n_levels, n_heads, n_points
-        self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
-        self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
-        self.value_proj = nn.Linear(d_model, d_model)
-        self.output_proj = nn.Linear(d_model, d_model)
+        self.sampling_offsets = Linear(d_model, n_heads * n_levels * n_points * 2)
+        self.attention_weights = Linear(d_model, n_heads * n_levels * n_points)
+        self.value_proj = Linear(d_model, d_model)
+        self.output_proj = Linear(d_model, d_model)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -67,8 +68,13 @@ class MSDeformAttn(nn.Module):
         weights = self.attention_weights(query).reshape(b, q, heads, levels * points)
         weights = kernels.softmax(weights).reshape(b, q, heads, levels, points)  # mx.softmax, faster on the CPU
         if reference_points.shape[-1] == 2:
+            # reference + offsets / (w, h) of the level, on rows of levels x points x 2: MLX's broadcasts in
+            # their natural shapes ran its strided loop over pairs (35 ms at 800 x 1066 against 9 ms)
             normalizer = mx.array([[w, h] for h, w in spatial_shapes], dtype=offsets.dtype)  # (levels, 2)
-            locations = reference_points[:, :, None, :, None, :] + offsets / normalizer[:, None, :]
+            divisor = mx.broadcast_to(normalizer[:, None, :], (levels, points, 2)).reshape(-1)
+            centres = mx.broadcast_to(reference_points[:, :, :, None, :], (b, q, levels, points, 2))
+            steps = offsets.reshape(b, q, heads, -1) / divisor
+            locations = (centres.reshape(b, q, 1, -1) + steps).reshape(offsets.shape)
         elif reference_points.shape[-1] == 4:
             centre, size = reference_points[:, :, None, :, None, :2], reference_points[:, :, None, :, None, 2:]
             locations = centre + offsets / points * size * 0.5

@@ -15,7 +15,7 @@ using namespace nb::literals;
 NB_MODULE(_native, m) {
   m.doc() =
       "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm, "
-      "patches and unpatches, bernoulli16, channel_affine";
+      "patches and unpatches, bernoulli16, channel_affine, broadcast_rows";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",
@@ -38,4 +38,5 @@ NB_MODULE(_native, m) {
   m.def("bernoulli16", &kernels::bernoulli16, "key"_a, "shape"_a, "threshold"_a, "threads"_a);
   m.def("channel_affine", &kernels::channel_affine, "x"_a, "scale"_a, "shift"_a, "residual"_a.none(), "relu"_a,
         "threads"_a);
+  m.def("broadcast_rows", &kernels::broadcast_rows, "row"_a, "shape"_a, "threads"_a);
 }

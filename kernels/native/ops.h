@@ -58,4 +58,8 @@ array bernoulli16(const array& key, const std::vector<int>& shape, int threshold
 array channel_affine(const array& x, const array& scale, const array& shift, const std::optional<array>& residual,
                      bool relu, int threads);
 
+// row float32 (C,) -> `shape` (..., C), every row a copy of it, written on every core; VJP the sum
+// over the rows.
+array broadcast_rows(const array& row, const std::vector<int>& shape, int threads);
+
 }  // namespace kernels

@@ -1,0 +1,124 @@
+"""R50 inference with this project's one-pass CPU operations against MLX's own ops in their place,
+alternating in one process: `kernels.channel_affine` (the backbone's frozen batch norm with its
+residual and ReLU) and `kernels.linear` (nn.Linear's bias rows written on every core); and the
+sampling locations of `MSDeformAttn` on rows of levels x points x 2 against the broadcasts in their
+natural shapes, at the encoder's shape.
+
+    python bench/inference_ops.py [--size 800x1066] [--repeats 5] [--output bench/results/inference_ops_cpu.txt]
+
+configs/r50.yaml's model on a seeded random image (bench/model.py's setup). The outputs of the two
+sides are compared bit for bit.
+"""
+
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then calls, and sets glibc's malloc)
+import kernels  # noqa: E402
+from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
+from deformable_detr.models import linear, precision  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+from common import cpu_model, image_sizes, median_time, report  # noqa: E402
+from model import ours_setup  # noqa: E402
+
+
+def mlx_affine(x, scale, shift, residual=None, relu=False):
+    """MLX's ops, as FrozenBatchNorm2d and the blocks computed before kernels.channel_affine."""
+    y = x * scale + shift
+    y = y if residual is None else y + residual
+    return mx.maximum(y, 0) if relu else y
+
+
+def mlx_linear(x, weight, bias=None):
+    """nn.Linear's own call."""
+    return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+
+
+def inference_times(size, repeats) -> tuple[dict, bool]:
+    """side -> R50 inference seconds, the sides alternating; and whether their outputs agree bit for bit."""
+    names = {name: getattr(kernels, name) for name in kernels.__all__}
+    sides = {
+        "ours": types.SimpleNamespace(**names),
+        "MLX's ops": types.SimpleNamespace(**{**names, "channel_affine": mlx_affine, "linear": mlx_linear}),
+    }
+    _, model, _, images, mask, _ = ours_setup("inference", size)
+    x, m = mx.array(images), mx.array(mask)
+    times, outputs = {side: [] for side in sides}, {}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for side, namespace in sides.items():
+            precision.kernels = linear.kernels = namespace
+            start = time.perf_counter()
+            outputs[side] = model(x, m)
+            mx.eval(outputs[side])
+            if round_:
+                times[side].append(time.perf_counter() - start)
+    precision.kernels = linear.kernels = kernels
+    same = all(
+        mx.array_equal(outputs["ours"][k], outputs["MLX's ops"][k]).item() for k in ("pred_logits", "pred_boxes")
+    )
+    return times, same
+
+
+def locations_times(repeats) -> tuple[float, float, bool]:
+    """The encoder's sampling locations at 800 x 1066 (batch 1, 17,821 queries), both forms."""
+    shapes = ((100, 134), (50, 67), (25, 34), (13, 17))
+    b, q, heads, levels, points = 1, sum(h * w for h, w in shapes), 8, 4, 4
+    offsets = mx.random.normal((b, q, heads, levels, points, 2), key=mx.random.key(0))
+    reference = mx.random.uniform(shape=(b, q, levels, 2), key=mx.random.key(1))
+    normalizer = mx.array([[w, h] for h, w in shapes], dtype=mx.float32)
+    mx.eval(offsets, reference)
+
+    def natural():
+        return reference[:, :, None, :, None, :] + offsets / normalizer[:, None, :]
+
+    def rows():  # as MSDeformAttn computes them
+        divisor = mx.broadcast_to(normalizer[:, None, :], (levels, points, 2)).reshape(-1)
+        centres = mx.broadcast_to(reference[:, :, :, None, :], (b, q, levels, points, 2)).reshape(b, q, 1, -1)
+        return (centres + offsets.reshape(b, q, heads, -1) / divisor).reshape(offsets.shape)
+
+    first = median_time(lambda: mx.eval(natural()), repeats)
+    second = median_time(lambda: mx.eval(rows()), repeats)
+    return first, second, mx.array_equal(natural(), rows()).item()
+
+
+@entry_point
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=image_sizes, default="800x1066", help="HxW of the image")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (each runs both sides)")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "inference_ops_cpu.txt")
+    args = parser.parse_args(argv)
+    size = args.size[0]
+    lines = [
+        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
+        f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"mlx {mx.__version__}, BLAS {kernels.blas.description()}, threads {kernels.cpu.threads()}",
+        "",
+    ]
+    times, same = inference_times(size, args.repeats)
+    ours, theirs = (statistics.median(times[side]) for side in ("ours", "MLX's ops"))
+    lines.append(f"R50 inference, batch 1, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):")
+    for side, seconds in (("ours", ours), ("MLX's ops", theirs)):
+        lines.append(f"- {side}: {seconds:.3f} s (each round: {', '.join(f'{t:.2f}' for t in times[side])})")
+    lines.append(f"- ratio MLX's ops / ours: {theirs / ours:.2f}; outputs bit for bit the same: {same}")
+    natural, rows, same = locations_times(10)
+    lines += [
+        "",
+        "MSDeformAttn's sampling locations, encoder at 800x1066 (1 x 17,821 x 8 x 4 x 4 x 2), median of 10:",
+        f"- broadcasts in their natural shapes: {natural * 1e3:.1f} ms; on rows of levels x points x 2: "
+        f"{rows * 1e3:.1f} ms (ratio {natural / rows:.2f}); bit for bit the same: {same}",
+        f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+    ]
+    report(lines, args.output)
+
+
+if __name__ == "__main__":
+    main()
