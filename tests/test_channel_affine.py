@@ -113,3 +113,23 @@ def test_frozen_batch_norm_is_the_same_in_eval_mode_as_in_training(rng):
     trained = net(x)
     for got, want in zip(evaluated, trained, strict=True):
         assert_bits(got, want)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_channel_affine_takes_over_a_buffer_nothing_else_holds(with_residual, rng):
+    """A fresh x (or residual) gives its buffer to the output, as MLX's element-wise ops do: the same
+    bits, and no more memory at the peak than MLX's ops."""
+    x, scale, shift, residual = (
+        mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 64, 80, 64), (64,), (64,), (1, 64, 80, 64))
+    )
+    peaks, results = [], []
+    for f in (mlx_ops, kernels.channel_affine):
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        y = f(x * 2, scale, shift, residual * 2 if with_residual else None, relu=True)  # fresh: nothing holds them
+        mx.eval(y)
+        peaks.append(mx.get_peak_memory() - base)
+        results.append(np.array(y))
+        del y
+    assert_bits(results[1], results[0])
+    assert peaks[1] <= peaks[0]

@@ -27,6 +27,34 @@ inline mlx::core::cpu::CommandEncoder& prepared_encoder(mlx::core::Stream stream
   return encoder;
 }
 
+// prepared_encoder for one output of an element-wise operation, which takes over the buffer of the
+// first input among `donors` that MLX lets go (nothing else holds it; the output's size and type), as
+// MLX's own element-wise operations do, else a fresh one: the work then reads and writes that buffer
+// (no __restrict__ between them), and the peak memory stays what MLX's ops had.
+inline mlx::core::cpu::CommandEncoder& prepared_encoder_in_place(mlx::core::Stream stream,
+                                                                 const std::vector<mlx::core::array>& inputs,
+                                                                 mlx::core::array out, std::vector<int> donors) {
+  bool donated = false;
+  for (int i : donors) {
+    const auto& in = inputs[i];
+    if (in.is_donatable() && in.flags().row_contiguous && in.dtype() == out.dtype() && in.size() == out.size() &&
+        in.data_size() == out.size()) {
+      out.copy_shared_buffer(in);
+      donated = true;
+      break;
+    }
+  }
+  auto& encoder = mlx::core::cpu::get_command_encoder(stream);
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  if (!donated) {
+    out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+  }
+  encoder.set_output_array(out);
+  return encoder;
+}
+
 // A multi-output backward's gradients, those a vjp was asked for (argnums), in that order.
 inline std::vector<mlx::core::array> chosen(const std::vector<mlx::core::array>& grads, const std::vector<int>& argnums) {
   std::vector<mlx::core::array> out;
