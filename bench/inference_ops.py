@@ -24,17 +24,11 @@ import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then c
 import kernels  # noqa: E402
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 from deformable_detr.models import linear, precision  # noqa: E402
+from kernels.channel_affine import with_mlx_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from common import cpu_model, image_sizes, median_time, report  # noqa: E402
 from model import ours_setup  # noqa: E402
-
-
-def mlx_affine(x, scale, shift, residual=None, relu=False):
-    """MLX's ops, as FrozenBatchNorm2d and the blocks computed before kernels.channel_affine."""
-    y = x * scale + shift
-    y = y if residual is None else y + residual
-    return mx.maximum(y, 0) if relu else y
 
 
 def mlx_linear(x, weight, bias=None):
@@ -47,7 +41,7 @@ def inference_times(size, repeats) -> tuple[dict, bool]:
     names = {name: getattr(kernels, name) for name in kernels.__all__}
     sides = {
         "ours": types.SimpleNamespace(**names),
-        "MLX's ops": types.SimpleNamespace(**{**names, "channel_affine": mlx_affine, "linear": mlx_linear}),
+        "MLX's ops": types.SimpleNamespace(**{**names, "channel_affine": with_mlx_ops, "linear": mlx_linear}),
     }
     _, model, _, images, mask, _ = ours_setup("inference", size)
     x, m = mx.array(images), mx.array(mask)

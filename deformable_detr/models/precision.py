@@ -11,6 +11,7 @@ in float32. In float32 every cast here is skipped: the model is exactly the one 
 from contextlib import contextmanager
 
 import kernels
+from kernels.channel_affine import with_mlx_ops
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,8 +67,7 @@ class FrozenBatchNorm2d(nn.Module):
         scale = to(scale, x.dtype)
         if not self.training:
             return kernels.channel_affine(x, scale, shift, residual, relu)
-        y = x * scale + shift
-        y = y if residual is None else y + residual
+        y = with_mlx_ops(x, scale, shift, residual)
         return recompute.relu(y) if relu else y
 
 

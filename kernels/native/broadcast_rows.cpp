@@ -41,13 +41,9 @@ class BroadcastRows : public mx::UnaryPrimitive {
     throw std::runtime_error("kernels broadcast_rows runs on the CPU only");
   }
 
-  std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
-                         const std::vector<int>&, const std::vector<array>&) override {
-    std::vector<int> rows(cotangents[0].ndim() - 1);
-    for (size_t axis = 0; axis < rows.size(); ++axis) {
-      rows[axis] = int(axis);
-    }
-    return {mx::sum(cotangents[0], rows, false, stream())};
+  std::vector<array> vjp(const std::vector<array>&, const std::vector<array>& cotangents, const std::vector<int>&,
+                         const std::vector<array>&) override {
+    return {kernels_native::sum_over_rows(cotangents[0], stream())};
   }
 
   const char* name() const override { return "KernelsBroadcastRows"; }

@@ -48,8 +48,8 @@ class ChannelAffine : public mx::UnaryPrimitive {
   // inputs: x, scale, shift[, residual]
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     const bool residual = inputs.size() == 4;
-    auto& encoder = kernels_native::prepared_encoder_in_place(stream(), inputs, out,
-                                                              residual ? std::vector<int>{0, 3} : std::vector<int>{0});
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out},
+                                                     residual ? std::vector<int>{0, 3} : std::vector<int>{0});
     const int64_t channels = inputs[1].size();
     const int64_t rows = channels == 0 ? 0 : int64_t(inputs[0].size()) / channels;
     const auto run = residual ? (relu_ ? affine_rows<true, true> : affine_rows<true, false>)
@@ -76,12 +76,9 @@ class ChannelAffine : public mx::UnaryPrimitive {
     if (relu_) {
       g = mx::where(mx::greater(outputs[0], mx::array(0.0f), s), g, mx::array(0.0f), s);
     }
-    std::vector<int> rows(primals[0].ndim() - 1);
-    for (size_t axis = 0; axis < rows.size(); ++axis) {
-      rows[axis] = int(axis);
-    }
-    std::vector<array> grads{mx::multiply(g, primals[1], s), mx::sum(mx::multiply(g, primals[0], s), rows, false, s),
-                             mx::sum(g, rows, false, s)};
+    std::vector<array> grads{mx::multiply(g, primals[1], s),
+                             kernels_native::sum_over_rows(mx::multiply(g, primals[0], s), s),
+                             kernels_native::sum_over_rows(g, s)};
     if (primals.size() == 4) {
       grads.push_back(g);
     }
@@ -112,13 +109,10 @@ array channel_affine(const array& x, const array& scale, const array& shift, con
   if (residual && residual->shape() != x.shape()) {
     throw std::invalid_argument("channel_affine: residual must have x's shape");
   }
-  for (const auto* a : {&x, &scale, &shift}) {
+  for (const auto* a : {&x, &scale, &shift, residual ? &*residual : &x}) {
     if (a->dtype() != mx::float32) {
       throw std::invalid_argument("channel_affine: float32 only (kernels.channel_affine hands others to MLX's ops)");
     }
-  }
-  if (residual && residual->dtype() != mx::float32) {
-    throw std::invalid_argument("channel_affine: float32 only (kernels.channel_affine hands others to MLX's ops)");
   }
   const auto stream = mx::default_stream(mx::Device::cpu);
   std::vector<array> inputs{mx::contiguous(x, false, stream), mx::contiguous(scale, false, stream),
