@@ -1,8 +1,9 @@
 """R50 inference with this project's one-pass CPU operations against MLX's own ops in their place,
 alternating in one process: `kernels.channel_affine` (the backbone's frozen batch norm with its
-residual and ReLU) and `kernels.linear` (nn.Linear's bias rows written on every core); and the
-sampling locations of `MSDeformAttn` on rows of levels x points x 2 against the broadcasts in their
-natural shapes, at the encoder's shape.
+residual and ReLU), `kernels.linear` (nn.Linear's bias rows written on every core) and
+`kernels.sin_cos` (the position encoding's sines and cosines); and the sampling locations of
+`MSDeformAttn` on rows of levels x points x 2 against the broadcasts in their natural shapes, and the
+position encoding of the four levels with and without `kernels.sin_cos`, at the encoder's shape.
 
     python bench/inference_ops.py [--size 800x1066] [--repeats 5] [--output bench/results/inference_ops_cpu.txt]
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then calls, and sets glibc's malloc)
 import kernels  # noqa: E402
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
-from deformable_detr.models import linear, precision  # noqa: E402
+from deformable_detr.models import linear, position_encoding, precision  # noqa: E402
 from kernels.channel_affine import with_mlx_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -36,25 +37,36 @@ def mlx_linear(x, weight, bias=None):
     return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
 
 
+def mlx_sin_cos(x):
+    return mx.stack([mx.sin(x), mx.cos(x)], axis=-1)
+
+
+def use(namespace):
+    """The modules that call these operations take them from `namespace`."""
+    precision.kernels = linear.kernels = position_encoding.kernels = namespace
+
+
 def inference_times(size, repeats) -> tuple[dict, bool]:
     """side -> R50 inference seconds, the sides alternating; and whether their outputs agree bit for bit."""
     names = {name: getattr(kernels, name) for name in kernels.__all__}
     sides = {
         "ours": types.SimpleNamespace(**names),
-        "MLX's ops": types.SimpleNamespace(**{**names, "channel_affine": with_mlx_ops, "linear": mlx_linear}),
+        "MLX's ops": types.SimpleNamespace(
+            **{**names, "channel_affine": with_mlx_ops, "linear": mlx_linear, "sin_cos": mlx_sin_cos}
+        ),
     }
     _, model, _, images, mask, _ = ours_setup("inference", size)
     x, m = mx.array(images), mx.array(mask)
     times, outputs = {side: [] for side in sides}, {}
     for round_ in range(repeats + 1):  # the first round warms up
         for side, namespace in sides.items():
-            precision.kernels = linear.kernels = namespace
+            use(namespace)
             start = time.perf_counter()
             outputs[side] = model(x, m)
             mx.eval(outputs[side])
             if round_:
                 times[side].append(time.perf_counter() - start)
-    precision.kernels = linear.kernels = kernels
+    use(kernels)
     same = all(
         mx.array_equal(outputs["ours"][k], outputs["MLX's ops"][k]).item() for k in ("pred_logits", "pred_boxes")
     )
@@ -83,6 +95,20 @@ def locations_times(repeats) -> tuple[float, float, bool]:
     return first, second, mx.array_equal(natural(), rows()).item()
 
 
+def position_encoding_times(repeats) -> tuple[float, float, bool]:
+    """PositionEmbeddingSine of the four levels at 800 x 1066, with MLX's sin and cos and with sin_cos."""
+    encoding = position_encoding.PositionEmbeddingSine(128)
+    masks = [mx.zeros((1, h, w), dtype=mx.bool_) for h, w in ((100, 134), (50, 67), (25, 34), (13, 17))]
+    results, seconds = {}, {}
+    for side, namespace in (("mlx", types.SimpleNamespace(sin_cos=mlx_sin_cos)), ("ours", kernels)):
+        use(namespace)
+        seconds[side] = median_time(lambda: mx.eval([encoding(m) for m in masks]), repeats)
+        results[side] = [encoding(m) for m in masks]
+    use(kernels)
+    same = all(mx.array_equal(a, b).item() for a, b in zip(results["mlx"], results["ours"], strict=True))
+    return seconds["mlx"], seconds["ours"], same
+
+
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -109,6 +135,13 @@ def main(argv=None):
         "MSDeformAttn's sampling locations, encoder at 800x1066 (1 x 17,821 x 8 x 4 x 4 x 2), median of 10:",
         f"- broadcasts in their natural shapes: {natural * 1e3:.1f} ms; on rows of levels x points x 2: "
         f"{rows * 1e3:.1f} ms (ratio {natural / rows:.2f}); bit for bit the same: {same}",
+    ]
+    theirs, ours, same = position_encoding_times(10)
+    lines += [
+        "",
+        "PositionEmbeddingSine of the four levels at 800x1066 (4.56 M sines and cosines), median of 10:",
+        f"- mx.sin and mx.cos: {theirs * 1e3:.1f} ms; kernels.sin_cos: {ours * 1e3:.1f} ms (ratio "
+        f"{theirs / ours:.2f}); bit for bit the same: {same}",
         f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
     ]
     report(lines, args.output)

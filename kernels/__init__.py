@@ -2,7 +2,7 @@
 `ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature); beside them
 `linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
 `layer_norm`, `patches` (im2col), `bernoulli16` (random masks), `channel_affine` (a frozen batch
-norm with its residual and ReLU) and `linear` (its bias rows) on every CPU core; and
+norm with its residual and ReLU), `linear` (its bias rows) and `sin_cos` on every CPU core; and
 `export_mode()`, within which all of them are MLX ops that `mx.export_function` can write.
 
 This package knows nothing of DETR. Importing it first sets up the BLAS under MLX's matrix products
@@ -22,6 +22,7 @@ from .layer_norm import layer_norm
 from .linear import linear
 from .ms_deform_attn import BACKENDS, ms_deform_attn
 from .patches import patches
+from .sin_cos import sin_cos
 from .softmax import softmax
 
 __all__ = [
@@ -37,5 +38,6 @@ __all__ = [
     "linear_assignment",
     "ms_deform_attn",
     "patches",
+    "sin_cos",
     "softmax",
 ]

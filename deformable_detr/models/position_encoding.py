@@ -2,6 +2,8 @@
 
 import math
 
+import kernels
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -35,8 +37,9 @@ class PositionEmbeddingSine(nn.Module):
 def sine_embedding(positions: mx.array, num_feats: int, temperature: float) -> mx.array:
     """Each position p -> [sin(p / t_0), cos(p / t_0), sin(p / t_1), cos(p / t_1), ...] with
     t_i = temperature ** (2 * i / num_feats)."""
-    dim_t = mx.arange(num_feats, dtype=mx.float32)
-    dim_t = temperature ** (2 * (dim_t // 2) / num_feats)
-    angles = positions[..., None] / dim_t  # (..., num_feats)
-    interleaved = mx.stack([mx.sin(angles[..., 0::2]), mx.cos(angles[..., 1::2])], axis=-1)
-    return interleaved.reshape(*positions.shape, num_feats)
+    # t_(2i) = t_(2i+1): one angle per pair, p / t_(2i), whose sine and cosine kernels.sin_cos takes
+    # at once (the same bits as dividing by every t and taking sin of the even, cos of the odd)
+    dim_t = mx.arange(num_feats // 2, dtype=mx.float32)
+    dim_t = temperature ** (2 * dim_t / num_feats)
+    angles = positions[..., None] / dim_t  # (..., num_feats / 2)
+    return kernels.sin_cos(angles).reshape(*positions.shape, num_feats)

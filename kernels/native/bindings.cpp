@@ -15,7 +15,7 @@ using namespace nb::literals;
 NB_MODULE(_native, m) {
   m.doc() =
       "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm, "
-      "patches and unpatches, bernoulli16, channel_affine, broadcast_rows";
+      "patches and unpatches, bernoulli16, channel_affine, broadcast_rows, sin_cos";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",
@@ -39,4 +39,5 @@ NB_MODULE(_native, m) {
   m.def("channel_affine", &kernels::channel_affine, "x"_a, "scale"_a, "shift"_a, "residual"_a.none(), "relu"_a,
         "threads"_a);
   m.def("broadcast_rows", &kernels::broadcast_rows, "row"_a, "shape"_a, "threads"_a);
+  m.def("sin_cos", &kernels::sin_cos, "x"_a, "threads"_a);
 }

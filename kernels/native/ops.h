@@ -62,4 +62,8 @@ array channel_affine(const array& x, const array& scale, const array& shift, con
 // over the rows.
 array broadcast_rows(const array& row, const std::vector<int>& shape, int threads);
 
+// x float32, any shape -> x.shape + (2,): [sin(x), cos(x)], MLX's CPU sin and cos bit for bit (one
+// argument reduction for both), on every core; VJP g_sin * cos - g_cos * sin.
+array sin_cos(const array& x, int threads);
+
 }  // namespace kernels
