@@ -143,7 +143,8 @@ def test_dropout_after_relu_is_dropout_of_relu(dtype):
 
 def test_dropout_after_relu_keeps_only_its_output_for_the_backward():
     """What the fused op is for: an FFN's backward keeps (L, 1024) once, not the linear's output, the
-    mask and the dropped output. Peaks in units of one such activation (measured: 4.6 against 6.6)."""
+    mask and the dropped output. Peaks in units of one such activation (measured: 3.9 against 4.9 with
+    kernels.masked_scale, whose own VJP needs only the mask; 4.6 against 6.6 with MLX's where)."""
     dropout = recompute.Dropout(0.1)
     n, hidden = 4096, 1024
     x, w1, w2 = (
@@ -164,4 +165,5 @@ def test_dropout_after_relu_keeps_only_its_output_for_the_backward():
         mx.eval(mx.grad(f, argnums=(0, 1))(w1, w2))
         return (mx.get_peak_memory() - base) / (n * hidden * 4)
 
-    assert peak(True) < peak(False) - 1.5
+    fused, unfused = peak(True), peak(False)
+    assert fused < unfused - 0.75 and fused < 4.25

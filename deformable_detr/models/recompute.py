@@ -58,7 +58,7 @@ def relu(x):
 
 @relu.vjp
 def _relu_vjp(primals, cotangent, output):
-    return (mx.where(output > 0, cotangent, 0),)
+    return (kernels.scale_where_positive(cotangent, output),)
 
 
 def _relu(x, training: bool):
@@ -74,11 +74,11 @@ def _dropped_relu(scale: float):
 
     @mx.custom_function
     def dropped(x, keep):
-        return mx.where(keep, mx.maximum(x, 0) * scale, mx.array(0, x.dtype))
+        return kernels.masked_scale(x, keep, scale, relu=True)
 
     @dropped.vjp
     def dropped_vjp(primals, cotangent, output):
-        return mx.where(output > 0, cotangent * scale, mx.array(0, cotangent.dtype)), mx.zeros_like(primals[1])
+        return kernels.scale_where_positive(cotangent, output, scale), mx.zeros_like(primals[1])
 
     return dropped
 
@@ -108,7 +108,7 @@ class Dropout(nn.Module):
         keep = kernels.bernoulli16(_fresh_key() if key is None else key, threshold, x.shape)
         if after_relu:
             return _dropped_relu(scale)(x, keep)
-        return mx.where(keep, x * scale, mx.array(0, x.dtype))
+        return kernels.masked_scale(x, keep, scale)
 
 
 def _uses_dropout(modules) -> bool:

@@ -66,4 +66,11 @@ array broadcast_rows(const array& row, const std::vector<int>& shape, int thread
 // argument reduction for both), on every core; VJP g_sin * cos - g_cos * sin.
 array sin_cos(const array& x, int threads);
 
+// x float32, keep bool of x's shape: where(keep, x * scale, 0), or with relu where(keep, max(x, 0) *
+// scale, 0) (dropout, dropout after a ReLU); scale_where_positive: where(output > 0, x * scale, 0) (x
+// unscaled for scale 1: a ReLU's gradient from its output). MLX's ops bit for bit, one pass on every
+// core; VJPs of the same kind (with relu from the output).
+array masked_scale(const array& x, const array& keep, float scale, bool relu, int threads);
+array scale_where_positive(const array& x, const array& output, float scale, int threads);
+
 }  // namespace kernels
