@@ -5,7 +5,9 @@ multiply in their place (one thread and one pass each), alternating in one proce
     python bench/step_ops.py [--size 512x683] [--repeats 3] [--output bench/results/step_ops_cpu.txt]
 
 configs/r50.yaml's training step at micro-batch 2 on seeded random images (bench/model.py's setup),
-dropout on. The two sides' losses and gradients are compared bit for bit.
+dropout on. The two sides' losses and gradients are compared bit for bit. Then the operations alone at
+an encoder FFN's shape at 512 x 683 (2 x 7,320 x 1,024): dropout after the ReLU and its gradient, both
+ways, outputs compared.
 """
 
 import os
@@ -25,7 +27,7 @@ from deformable_detr.models import recompute  # noqa: E402
 from deformable_detr.training.trainer import seed_step  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from common import cpu_model, image_sizes, report  # noqa: E402
+from common import cpu_model, image_sizes, median_time, report  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from model import ours_setup  # noqa: E402
 
@@ -62,6 +64,30 @@ def step_times(size, repeats) -> tuple[dict, bool]:
     return times, same
 
 
+def ffn_times(repeats) -> tuple[float, float, bool]:
+    """Dropout after the FFN's ReLU, forward and gradient, on (2 x 7320, 1024): MLX's ops, then ours; each
+    less the x + 0 and g + 0 copies that give it buffers to take over (as in the step), timed alone."""
+    shape, scale = (2 * 7320, 1024), 65536 / 58982
+    x, g = mx.random.normal(shape, key=mx.random.key(0)), mx.random.normal(shape, key=mx.random.key(1))
+    keep = mx.random.uniform(shape=shape, key=mx.random.key(2)) < 0.9
+    mx.eval(x, g, keep)
+    results, seconds = {}, {}
+    for side, ops in (
+        ("mlx", (mlx_masked_scale, mlx_scale_where_positive)),
+        ("ours", (kernels.masked_scale, kernels.scale_where_positive)),
+    ):
+
+        def run(masked=ops[0], positive=ops[1]):
+            out = masked(x + 0, keep, scale, relu=True)  # x + 0: a buffer the op may take over, as in the step
+            return out, positive(g + 0, out, scale)
+
+        seconds[side] = median_time(lambda run=run: mx.eval(run()), repeats)
+        results[side] = run()
+    seconds["copies"] = median_time(lambda: mx.eval(x + 0, g + 0), repeats)
+    same = all(mx.array_equal(a, b).item() for a, b in zip(results["mlx"], results["ours"], strict=True))
+    return seconds["mlx"] - seconds["copies"], seconds["ours"] - seconds["copies"], same
+
+
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -82,6 +108,13 @@ def main(argv=None):
     for side, seconds in (("ours", ours), ("MLX's ops", theirs)):
         lines.append(f"- {side}: {seconds:.3f} s (each round: {', '.join(f'{t:.2f}' for t in times[side])})")
     lines.append(f"- ratio MLX's ops / ours: {theirs / ours:.2f}; loss and gradients bit for bit the same: {same}")
+    theirs, ours, same = ffn_times(10)
+    lines += [
+        "",
+        "Dropout after an encoder FFN's ReLU at 512x683, (2 x 7320, 1024), forward and gradient, median of 10",
+        f"(less the input copies): MLX's ops {theirs * 1e3:.1f} ms; ours {ours * 1e3:.1f} ms (ratio "
+        f"{theirs / ours:.2f}); bit for bit the same: {same}",
+    ]
     lines.append(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     report(lines, args.output)
 
