@@ -1,9 +1,9 @@
 """R50 inference with this project's one-pass CPU operations against MLX's own ops in their place,
 alternating in one process: `kernels.channel_affine` (the backbone's frozen batch norm with its
-residual and ReLU), `kernels.linear` (nn.Linear's bias rows written on every core) and
-`kernels.sin_cos` (the position encoding's sines and cosines); and the sampling locations of
-`MSDeformAttn` on rows of levels x points x 2 against the broadcasts in their natural shapes, and the
-position encoding of the four levels with and without `kernels.sin_cos`, at the encoder's shape.
+residual and ReLU), `kernels.linear` (nn.Linear's bias rows written on every core),
+`kernels.sin_cos` (the position encoding's sines and cosines) and `kernels.relu` (the FFNs'); and the
+sampling locations of `MSDeformAttn` on rows of levels x points x 2 against the broadcasts in their
+natural shapes, and the position encoding of the four levels with and without `kernels.sin_cos`, at the encoder's shape.
 
     python bench/inference_ops.py [--size 800x1066] [--repeats 5] [--output bench/results/inference_ops_cpu.txt]
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then calls, and sets glibc's malloc)
 import kernels  # noqa: E402
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
-from deformable_detr.models import linear, position_encoding, precision  # noqa: E402
+from deformable_detr.models import linear, position_encoding, precision, recompute  # noqa: E402
 from kernels.channel_affine import with_mlx_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -43,7 +43,7 @@ def mlx_sin_cos(x):
 
 def use(namespace):
     """The modules that call these operations take them from `namespace`."""
-    precision.kernels = linear.kernels = position_encoding.kernels = namespace
+    precision.kernels = linear.kernels = position_encoding.kernels = recompute.kernels = namespace
 
 
 def inference_times(size, repeats) -> tuple[dict, bool]:
@@ -52,7 +52,13 @@ def inference_times(size, repeats) -> tuple[dict, bool]:
     sides = {
         "ours": types.SimpleNamespace(**names),
         "MLX's ops": types.SimpleNamespace(
-            **{**names, "channel_affine": with_mlx_ops, "linear": mlx_linear, "sin_cos": mlx_sin_cos}
+            **{
+                **names,
+                "channel_affine": with_mlx_ops,
+                "linear": mlx_linear,
+                "sin_cos": mlx_sin_cos,
+                "relu": lambda x: mx.maximum(x, 0),
+            }
         ),
     }
     _, model, _, images, mask, _ = ours_setup("inference", size)

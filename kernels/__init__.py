@@ -2,8 +2,8 @@
 `ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature); beside them
 `linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
 `layer_norm`, `patches` (im2col), `bernoulli16` (random masks), `channel_affine` (a frozen batch
-norm with its residual and ReLU), `linear` (its bias rows), `sin_cos` and `masked_scale` (dropout)
-on every CPU core; and `export_mode()`, within which all of them are MLX ops that
+norm with its residual and ReLU), `linear` (its bias rows), `sin_cos`, `masked_scale` (dropout) and
+`relu` on every CPU core; and `export_mode()`, within which all of them are MLX ops that
 `mx.export_function` can write.
 
 This package knows nothing of DETR. Importing it first sets up the BLAS under MLX's matrix products
@@ -21,7 +21,7 @@ from .export import export_mode, exporting
 from .grid_sample import grid_sample
 from .layer_norm import layer_norm
 from .linear import linear
-from .masked_scale import masked_scale, scale_where_positive
+from .masked_scale import masked_scale, relu, scale_where_positive
 from .ms_deform_attn import BACKENDS, ms_deform_attn
 from .patches import patches
 from .sin_cos import sin_cos
@@ -41,6 +41,7 @@ __all__ = [
     "masked_scale",
     "ms_deform_attn",
     "patches",
+    "relu",
     "scale_where_positive",
     "sin_cos",
     "softmax",

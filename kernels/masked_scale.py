@@ -1,7 +1,8 @@
 """`masked_scale(x, keep, scale, relu=False)`: `mx.where(keep, x * scale, 0)` (dropout), or with `relu`
 `mx.where(keep, mx.maximum(x, 0) * scale, 0)` (dropout after a ReLU); `scale_where_positive(x,
 output, scale=1.0)`: `mx.where(output > 0, x * scale, 0)` (their gradient, and a ReLU's, from the
-output; no multiply for scale 1). The same numbers.
+output; no multiply for scale 1); `relu(x)`: `mx.maximum(x, 0)`, its VJP from the output. The same
+numbers.
 
 On the CPU, for float32, they are the C++ operation of `kernels._native`: MLX's ops bit for bit in
 one pass on every core, where MLX makes a pass of one thread each (its select alone was about 8% of
@@ -27,3 +28,10 @@ def scale_where_positive(x: mx.array, output: mx.array, scale: float = 1.0) -> m
     if extension is None or output.shape != x.shape:
         return mx.where(output > 0, x if scale == 1 else x * scale, mx.array(0, x.dtype))
     return extension.scale_where_positive(x, output, scale, threads())
+
+
+def relu(x: mx.array) -> mx.array:
+    extension = native.for_float32(x)
+    if extension is None:
+        return mx.maximum(x, 0)
+    return extension.relu(x, threads())

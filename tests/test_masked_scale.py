@@ -107,3 +107,24 @@ def test_masked_scale_of_other_dtypes_is_mlx_ops(dtype, rng):
     assert got.dtype == dtype
     assert mx.array_equal(got, dropout_in_mlx_ops(x, keep, SCALE, relu=True), equal_nan=True).item()
     assert kernels.scale_where_positive(g, got, SCALE).dtype == dtype
+
+
+def test_relu_is_mlx_maximum_bit_for_bit_and_its_gradient_reads_the_output(rng):
+    x, _, g = inputs(rng)
+    assert_bits(kernels.relu(x), mx.maximum(x, 0))  # NaN kept, -0 to +0, as MLX's maximum
+    _, got = mx.vjp(kernels.relu, [x], [g])
+    output = mx.maximum(x, 0)
+    assert_bits(got[0], mx.where(output > 0, g, mx.array(0, g.dtype)))
+    xs, gs = np.array(x), np.array(g)
+    plain = np.isfinite(xs) & (np.abs(xs) > 1e-3)
+    np.testing.assert_array_equal(np.array(got[0])[plain], np.where(xs > 0, gs, 0).astype(np.float32)[plain])
+
+
+def test_relu_takes_over_a_buffer_nothing_else_holds(rng):
+    x = mx.array(rng.standard_normal((2048, 1024)).astype(np.float32))
+    mx.eval(x)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(kernels.relu(x * 2))  # x * 2's buffer is nobody else's: the ReLU writes there
+    assert mx.get_peak_memory() - base < 1.5 * x.nbytes

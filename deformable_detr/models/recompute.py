@@ -53,7 +53,7 @@ def _fresh_key() -> mx.array:
 @mx.custom_function
 def relu(x):
     """max(x, 0), whose backward reads its output, not its input."""
-    return mx.maximum(x, 0)
+    return kernels.relu(x)
 
 
 @relu.vjp
@@ -62,9 +62,9 @@ def _relu_vjp(primals, cotangent, output):
 
 
 def _relu(x, training: bool):
-    """`relu` in training; outside it plain max(x, 0), which MLX may compute in its input's buffer
+    """`relu` in training; outside it plain `kernels.relu`, which may compute in its input's buffer
     (`relu` holds its input until it is evaluated: R50 inference at 800 x 1066 peaked 9% higher)."""
-    return relu(x) if training else mx.maximum(x, 0)
+    return relu(x) if training else kernels.relu(x)
 
 
 @cache

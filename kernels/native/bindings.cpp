@@ -15,7 +15,7 @@ using namespace nb::literals;
 NB_MODULE(_native, m) {
   m.doc() =
       "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm, "
-      "patches and unpatches, bernoulli16, channel_affine, broadcast_rows, sin_cos, masked_scale";
+      "patches and unpatches, bernoulli16, channel_affine, broadcast_rows, sin_cos, masked_scale, relu";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",
@@ -41,5 +41,6 @@ NB_MODULE(_native, m) {
   m.def("broadcast_rows", &kernels::broadcast_rows, "row"_a, "shape"_a, "threads"_a);
   m.def("sin_cos", &kernels::sin_cos, "x"_a, "threads"_a);
   m.def("masked_scale", &kernels::masked_scale, "x"_a, "keep"_a, "scale"_a, "relu"_a, "threads"_a);
+  m.def("relu", &kernels::relu, "x"_a, "threads"_a);
   m.def("scale_where_positive", &kernels::scale_where_positive, "x"_a, "output"_a, "scale"_a, "threads"_a);
 }

@@ -1,10 +1,11 @@
-// masked_scale: where(keep, x * scale, 0), where(keep, max(x, 0) * scale, 0) and where(output > 0,
-// x * scale, 0) as one MLX Primitive on every core: dropout, dropout after a ReLU, and the gradient
-// of either (or of a ReLU) from its output. MLX's CPU select, multiply, maximum and comparison each
+// masked_scale: where(keep, x * scale, 0), where(keep, max(x, 0) * scale, 0), where(output > 0, x *
+// scale, 0) and max(x, 0) as one MLX Primitive on every core: dropout, dropout after a ReLU, the
+// gradient of either (or of a ReLU) from its output, and a ReLU. MLX's CPU select, multiply, maximum and comparison each
 // make a pass on one thread; in an R50 training step at 512 x 683 its select alone was ~8% of the
 // CPU time (perf), most of it these. The same operations, so the same bits. Like MLX's element-wise
 // ops it writes into x's buffer where nothing else holds it.
 
+#include <optional>
 #include <stdexcept>
 
 #include "mlx/ops.h"
@@ -22,17 +23,22 @@ namespace {
 
 // KEEP_VJP: KEEP's gradient as MLX's autodiff of the where gives it, (x * float(keep)) * scale: a
 // dropped element is x * 0 (-0 for negative x, NaN for infinite), not +0.
-enum Mode { KEEP = 0, KEEP_RELU = 1, POSITIVE = 2, KEEP_VJP = 3 };
+// RELU: max(x, 0) * scale, no condition (a ReLU: scale 1).
+enum Mode { KEEP = 0, KEEP_RELU = 1, POSITIVE = 2, KEEP_VJP = 3, RELU = 4 };
 
 template <int MODE, typename Condition>
 void masked_span(const float* x, const Condition* __restrict__ condition, float scale, float* out, int64_t begin,
                  int64_t end) {  // out may be x's buffer
   for (int64_t i = begin; i < end; ++i) {
     float v = x[i];
-    if constexpr (MODE == KEEP_RELU) {
+    if constexpr (MODE == KEEP_RELU || MODE == RELU) {
       v = v != v ? v : (v > 0.0f ? v : 0.0f);  // MLX's Maximum(v, 0): NaN stays, -0 becomes +0
     }
     v = scale == 1.0f ? v : v * scale;  // where(output > 0, g, 0), a ReLU's gradient, has no multiply
+    if constexpr (MODE == RELU) {
+      out[i] = v;
+      continue;
+    }
     bool kept;
     if constexpr (MODE == POSITIVE) {
       kept = condition[i] > 0.0f;
@@ -59,6 +65,14 @@ class MaskedScale : public mx::UnaryPrimitive {
     const float* x = inputs[0].data<float>();
     float* o = out.data<float>();
     const int used = kernels_native::threads_for(count, threads_, 1 << 16);  // elements
+    if (mode_ == RELU) {
+      encoder.dispatch([x, o, count, scale = scale_, used]() {
+        kernels_native::parallel_rows(count, used, [&](int, int64_t begin, int64_t end) {
+          masked_span<RELU, bool>(x, nullptr, scale, o, begin, end);
+        });
+      });
+      return;
+    }
     if (mode_ == POSITIVE) {
       encoder.dispatch([x, c = inputs[1].data<float>(), o, count, scale = scale_, used]() {
         kernels_native::parallel_rows(count, used, [&](int, int64_t begin, int64_t end) {
@@ -89,8 +103,11 @@ class MaskedScale : public mx::UnaryPrimitive {
     const auto through = [&](int mode, const array& condition) {
       return array(g.shape(), mx::float32, std::make_shared<MaskedScale>(s, mode, scale_, threads_), {g, condition});
     };
-    const array grad_x = mode_ == KEEP_RELU ? through(POSITIVE, outputs[0])
+    const array grad_x = (mode_ == KEEP_RELU || mode_ == RELU) ? through(POSITIVE, outputs[0])
                                             : through(mode_ == POSITIVE ? POSITIVE : KEEP_VJP, primals[1]);
+    if (mode_ == RELU) {
+      return {grad_x};
+    }
     return kernels_native::chosen({grad_x, mx::zeros_like(primals[1], s)}, argnums);
   }
 
@@ -107,13 +124,16 @@ class MaskedScale : public mx::UnaryPrimitive {
   int threads_;
 };
 
-array masked(const array& x, const array& condition, int mode, float scale, int threads) {
-  if (x.dtype() != mx::float32 || condition.shape() != x.shape()) {
+array masked(const array& x, const std::optional<array>& condition, int mode, float scale, int threads) {
+  if (x.dtype() != mx::float32 || (condition && condition->shape() != x.shape())) {
     throw std::invalid_argument("masked_scale: x float32 and a condition of its shape");
   }
   const auto stream = mx::default_stream(mx::Device::cpu);
-  return array(x.shape(), mx::float32, std::make_shared<MaskedScale>(stream, mode, scale, threads),
-               {mx::contiguous(x, false, stream), mx::contiguous(condition, false, stream)});
+  std::vector<array> inputs{mx::contiguous(x, false, stream)};
+  if (condition) {
+    inputs.push_back(mx::contiguous(*condition, false, stream));
+  }
+  return array(x.shape(), mx::float32, std::make_shared<MaskedScale>(stream, mode, scale, threads), std::move(inputs));
 }
 
 }  // namespace
@@ -124,6 +144,8 @@ array masked_scale(const array& x, const array& keep, float scale, bool relu, in
   }
   return masked(x, keep, relu ? KEEP_RELU : KEEP, scale, threads);
 }
+
+array relu(const array& x, int threads) { return masked(x, std::nullopt, RELU, 1.0f, threads); }
 
 array scale_where_positive(const array& x, const array& output, float scale, int threads) {
   if (output.dtype() != mx::float32) {

@@ -72,5 +72,8 @@ array sin_cos(const array& x, int threads);
 // core; VJPs of the same kind (with relu from the output).
 array masked_scale(const array& x, const array& keep, float scale, bool relu, int threads);
 array scale_where_positive(const array& x, const array& output, float scale, int threads);
+// x float32: max(x, 0), MLX's maximum bit for bit (NaN kept, -0 to +0), on every core; VJP
+// scale_where_positive of the output.
+array relu(const array& x, int threads);
 
 }  // namespace kernels
