@@ -3,6 +3,7 @@ as arguments, writing the report, the charts (pillow only)."""
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -26,6 +27,21 @@ def cpu_model(count: bool = False) -> str:
     if not names:
         return platform.processor() or platform.machine()
     return f"{names[0]} x {len(names)}" if count else names[0]
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as the reports print them."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def sides_lines(title: str, times: dict, agreement: str) -> list[str]:
+    """The lines of an alternating comparison of "ours" and "MLX's ops" (`times`: side -> seconds of
+    each round): the title, each side's median and rounds, the ratio, then `agreement`."""
+    ours, theirs = (statistics.median(times[side]) for side in ("ours", "MLX's ops"))
+    lines = [title]
+    for side, seconds in (("ours", ours), ("MLX's ops", theirs)):
+        lines.append(f"- {side}: {seconds:.3f} s (each round: {', '.join(f'{t:.2f}' for t in times[side])})")
+    return lines + [f"- ratio MLX's ops / ours: {theirs / ours:.2f}; {agreement}"]
 
 
 def median_time(run, repeats: int) -> float:

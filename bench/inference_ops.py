@@ -11,8 +11,6 @@ configs/r50.yaml's model on a seeded random image (bench/model.py's setup). The 
 sides are compared bit for bit.
 """
 
-import os
-import statistics
 import sys
 import time
 import types
@@ -25,20 +23,17 @@ import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then c
 import kernels  # noqa: E402
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 from deformable_detr.models import linear, position_encoding, precision, recompute  # noqa: E402
-from kernels.channel_affine import with_mlx_ops  # noqa: E402
+from kernels.channel_affine import with_mlx_ops as channel_affine_with_mlx_ops  # noqa: E402
+from kernels.sin_cos import with_mlx_ops as sin_cos_with_mlx_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from common import cpu_model, image_sizes, median_time, report  # noqa: E402
+from common import cpu_model, image_sizes, load_average, median_time, report, sides_lines  # noqa: E402
 from model import ours_setup  # noqa: E402
 
 
 def mlx_linear(x, weight, bias=None):
     """nn.Linear's own call."""
     return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
-
-
-def mlx_sin_cos(x):
-    return mx.stack([mx.sin(x), mx.cos(x)], axis=-1)
 
 
 def use(namespace):
@@ -54,9 +49,9 @@ def inference_times(size, repeats) -> tuple[dict, bool]:
         "MLX's ops": types.SimpleNamespace(
             **{
                 **names,
-                "channel_affine": with_mlx_ops,
+                "channel_affine": channel_affine_with_mlx_ops,
                 "linear": mlx_linear,
-                "sin_cos": mlx_sin_cos,
+                "sin_cos": sin_cos_with_mlx_ops,
                 "relu": lambda x: mx.maximum(x, 0),
             }
         ),
@@ -106,7 +101,7 @@ def position_encoding_times(repeats) -> tuple[float, float, bool]:
     encoding = position_encoding.PositionEmbeddingSine(128)
     masks = [mx.zeros((1, h, w), dtype=mx.bool_) for h, w in ((100, 134), (50, 67), (25, 34), (13, 17))]
     results, seconds = {}, {}
-    for side, namespace in (("mlx", types.SimpleNamespace(sin_cos=mlx_sin_cos)), ("ours", kernels)):
+    for side, namespace in (("mlx", types.SimpleNamespace(sin_cos=sin_cos_with_mlx_ops)), ("ours", kernels)):
         use(namespace)
         seconds[side] = median_time(lambda: mx.eval([encoding(m) for m in masks]), repeats)
         results[side] = [encoding(m) for m in masks]
@@ -125,16 +120,13 @@ def main(argv=None):
     size = args.size[0]
     lines = [
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
-        f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"load average at start: {load_average()}",
         f"mlx {mx.__version__}, BLAS {kernels.blas.description()}, threads {kernels.cpu.threads()}",
         "",
     ]
     times, same = inference_times(size, args.repeats)
-    ours, theirs = (statistics.median(times[side]) for side in ("ours", "MLX's ops"))
-    lines.append(f"R50 inference, batch 1, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):")
-    for side, seconds in (("ours", ours), ("MLX's ops", theirs)):
-        lines.append(f"- {side}: {seconds:.3f} s (each round: {', '.join(f'{t:.2f}' for t in times[side])})")
-    lines.append(f"- ratio MLX's ops / ours: {theirs / ours:.2f}; outputs bit for bit the same: {same}")
+    title = f"R50 inference, batch 1, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):"
+    lines += sides_lines(title, times, f"outputs bit for bit the same: {same}")
     natural, rows, same = locations_times(10)
     lines += [
         "",
@@ -148,7 +140,7 @@ def main(argv=None):
         "PositionEmbeddingSine of the four levels at 800x1066 (4.56 M sines and cosines), median of 10:",
         f"- mx.sin and mx.cos: {theirs * 1e3:.1f} ms; kernels.sin_cos: {ours * 1e3:.1f} ms (ratio "
         f"{theirs / ours:.2f}); bit for bit the same: {same}",
-        f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"\nload average at the end: {load_average()}",
     ]
     report(lines, args.output)
 

@@ -37,7 +37,7 @@ from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from attention import ENCODER, inputs  # noqa: E402
-from common import cpu_model, image_sizes, median_time, report  # noqa: E402
+from common import cpu_model, image_sizes, load_average, median_time, report  # noqa: E402
 from conv import SHAPES as CONV_SHAPES  # noqa: E402
 from counts import CoresHad, attention_work, count_work  # noqa: E402
 
@@ -194,7 +194,7 @@ def header(threads: int) -> list:
     blas_env = {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")}
     return [
         f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; CPU: {cpu}, {threads} cores used ({os.cpu_count()} online); "
-        f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"load average at start: {load_average()}",
         f"mlx {mx.__version__} ({mx.default_device()}), BLAS {kernels.blas.description()}, "
         f"OpenBLAS variables: {blas_env or 'none'}; "
         f"bench/limits.c: cc {' '.join(C_FLAGS)}",
@@ -275,9 +275,7 @@ def main(argv=None):
     more_rows, more_notes = r50_rows(ceilings, rates, measured["r50"])
     lines += table(rows + more_rows, threads)
     lines += ["", "## Counts", ""] + [f"- {note}" for note in notes + more_notes]
-    lines.append(
-        f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; batch {batch}, {heads} heads"
-    )
+    lines.append(f"\nload average at the end: {load_average()}; batch {batch}, {heads} heads")
     report(lines, args.output)
 
 

@@ -10,8 +10,6 @@ an encoder FFN's shape at 512 x 683 (2 x 7,320 x 1,024): dropout after the ReLU 
 ways, outputs compared.
 """
 
-import os
-import statistics
 import sys
 import time
 import types
@@ -25,25 +23,18 @@ import kernels  # noqa: E402
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 from deformable_detr.models import recompute  # noqa: E402
 from deformable_detr.training.trainer import seed_step  # noqa: E402
+from kernels.masked_scale import masked_scale_with_mlx_ops, scale_where_positive_with_mlx_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from common import cpu_model, image_sizes, median_time, report  # noqa: E402
+from common import cpu_model, image_sizes, load_average, median_time, report, sides_lines  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from model import ours_setup  # noqa: E402
-
-
-def mlx_masked_scale(x, keep, scale, relu=False):
-    return mx.where(keep, (mx.maximum(x, 0) if relu else x) * scale, mx.array(0, x.dtype))
-
-
-def mlx_scale_where_positive(x, output, scale=1.0):
-    return mx.where(output > 0, x if scale == 1 else x * scale, mx.array(0, x.dtype))
 
 
 def step_times(size, repeats) -> tuple[dict, bool]:
     """side -> step seconds, the sides alternating; and whether their losses and gradients agree bit for bit."""
     names = {name: getattr(kernels, name) for name in kernels.__all__}
-    mlx_ops = {"masked_scale": mlx_masked_scale, "scale_where_positive": mlx_scale_where_positive}
+    mlx_ops = {"masked_scale": masked_scale_with_mlx_ops, "scale_where_positive": scale_where_positive_with_mlx_ops}
     sides = {"ours": kernels, "MLX's ops": types.SimpleNamespace(**{**names, **mlx_ops})}
     cfg, _, trainer, images, mask, targets = ours_setup("train", size)
     x, m, boxes = mx.array(images), mx.array(mask), trainer.num_boxes(targets)
@@ -73,7 +64,7 @@ def ffn_times(repeats) -> tuple[float, float, bool]:
     mx.eval(x, g, keep)
     results, seconds = {}, {}
     for side, ops in (
-        ("mlx", (mlx_masked_scale, mlx_scale_where_positive)),
+        ("mlx", (masked_scale_with_mlx_ops, scale_where_positive_with_mlx_ops)),
         ("ours", (kernels.masked_scale, kernels.scale_where_positive)),
     ):
 
@@ -98,16 +89,13 @@ def main(argv=None):
     size = args.size[0]
     lines = [
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
-        f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"load average at start: {load_average()}",
         f"mlx {mx.__version__}, BLAS {kernels.blas.description()}, threads {kernels.cpu.threads()}",
         "",
     ]
     times, same = step_times(size, args.repeats)
-    ours, theirs = (statistics.median(times[side]) for side in ("ours", "MLX's ops"))
-    lines.append(f"R50 training step, micro-batch 2, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):")
-    for side, seconds in (("ours", ours), ("MLX's ops", theirs)):
-        lines.append(f"- {side}: {seconds:.3f} s (each round: {', '.join(f'{t:.2f}' for t in times[side])})")
-    lines.append(f"- ratio MLX's ops / ours: {theirs / ours:.2f}; loss and gradients bit for bit the same: {same}")
+    title = f"R50 training step, micro-batch 2, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):"
+    lines += sides_lines(title, times, f"loss and gradients bit for bit the same: {same}")
     theirs, ours, same = ffn_times(10)
     lines += [
         "",
@@ -115,7 +103,7 @@ def main(argv=None):
         f"(less the input copies): MLX's ops {theirs * 1e3:.1f} ms; ours {ours * 1e3:.1f} ms (ratio "
         f"{theirs / ours:.2f}); bit for bit the same: {same}",
     ]
-    lines.append(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    lines.append(f"\nload average at the end: {load_average()}")
     report(lines, args.output)
 
 

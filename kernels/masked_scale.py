@@ -19,14 +19,14 @@ from .cpu import threads
 def masked_scale(x: mx.array, keep: mx.array, scale: float, relu: bool = False) -> mx.array:
     extension = native.for_float32(x)
     if extension is None or keep.dtype != mx.bool_ or keep.shape != x.shape:
-        return mx.where(keep, (mx.maximum(x, 0) if relu else x) * scale, mx.array(0, x.dtype))
+        return masked_scale_with_mlx_ops(x, keep, scale, relu)
     return extension.masked_scale(x, keep, scale, relu, threads())
 
 
 def scale_where_positive(x: mx.array, output: mx.array, scale: float = 1.0) -> mx.array:
     extension = native.for_float32(x, output)
     if extension is None or output.shape != x.shape:
-        return mx.where(output > 0, x if scale == 1 else x * scale, mx.array(0, x.dtype))
+        return scale_where_positive_with_mlx_ops(x, output, scale)
     return extension.scale_where_positive(x, output, scale, threads())
 
 
@@ -35,3 +35,13 @@ def relu(x: mx.array) -> mx.array:
     if extension is None:
         return mx.maximum(x, 0)
     return extension.relu(x, threads())
+
+
+def masked_scale_with_mlx_ops(x: mx.array, keep: mx.array, scale: float, relu: bool = False) -> mx.array:
+    """`masked_scale` in MLX's ops: the numbers the C++ operation gives."""
+    return mx.where(keep, (mx.maximum(x, 0) if relu else x) * scale, mx.array(0, x.dtype))
+
+
+def scale_where_positive_with_mlx_ops(x: mx.array, output: mx.array, scale: float = 1.0) -> mx.array:
+    """`scale_where_positive` in MLX's ops: the numbers the C++ operation gives."""
+    return mx.where(output > 0, x if scale == 1 else x * scale, mx.array(0, x.dtype))

@@ -1,7 +1,7 @@
 // masked_scale: where(keep, x * scale, 0), where(keep, max(x, 0) * scale, 0), where(output > 0, x *
 // scale, 0) and max(x, 0) as one MLX Primitive on every core: dropout, dropout after a ReLU, the
-// gradient of either (or of a ReLU) from its output, and a ReLU. MLX's CPU select, multiply, maximum and comparison each
-// make a pass on one thread; in an R50 training step at 512 x 683 its select alone was ~8% of the
+// gradient of either (or of a ReLU) from its output, and a ReLU. MLX's CPU select, multiply, maximum
+// and comparison each make a pass on one thread; in an R50 training step at 512 x 683 its select alone was ~8% of the
 // CPU time (perf), most of it these. The same operations, so the same bits. Like MLX's element-wise
 // ops it writes into x's buffer where nothing else holds it.
 
@@ -26,8 +26,9 @@ namespace {
 // RELU: max(x, 0) * scale, no condition (a ReLU: scale 1).
 enum Mode { KEEP = 0, KEEP_RELU = 1, POSITIVE = 2, KEEP_VJP = 3, RELU = 4 };
 
-template <int MODE, typename Condition>
-void masked_span(const float* x, const Condition* __restrict__ condition, float scale, float* out, int64_t begin,
+// condition: keep (bool) or a ReLU's output (float32, kept where positive); none for RELU
+template <int MODE>
+void masked_span(const float* x, const void* condition, float scale, float* out, int64_t begin,
                  int64_t end) {  // out may be x's buffer
   for (int64_t i = begin; i < end; ++i) {
     float v = x[i];
@@ -37,55 +38,36 @@ void masked_span(const float* x, const Condition* __restrict__ condition, float 
     v = scale == 1.0f ? v : v * scale;  // where(output > 0, g, 0), a ReLU's gradient, has no multiply
     if constexpr (MODE == RELU) {
       out[i] = v;
-      continue;
-    }
-    bool kept;
-    if constexpr (MODE == POSITIVE) {
-      kept = condition[i] > 0.0f;
+    } else if constexpr (MODE == POSITIVE) {
+      out[i] = static_cast<const float*>(condition)[i] > 0.0f ? v : 0.0f;
+    } else if constexpr (MODE == KEEP_VJP) {
+      out[i] = static_cast<const bool*>(condition)[i] ? v : (scale == 1.0f ? x[i] * 0.0f : (x[i] * 0.0f) * scale);
     } else {
-      kept = condition[i];
-    }
-    if constexpr (MODE == KEEP_VJP) {
-      out[i] = kept ? v : (scale == 1.0f ? x[i] * 0.0f : (x[i] * 0.0f) * scale);
-    } else {
-      out[i] = kept ? v : 0.0f;
+      out[i] = static_cast<const bool*>(condition)[i] ? v : 0.0f;
     }
   }
 }
+
+using Span = void (*)(const float*, const void*, float, float*, int64_t, int64_t);
+constexpr Span SPANS[] = {masked_span<KEEP>, masked_span<KEEP_RELU>, masked_span<POSITIVE>, masked_span<KEEP_VJP>,
+                          masked_span<RELU>};  // by Mode
 
 class MaskedScale : public mx::UnaryPrimitive {
  public:
   MaskedScale(mx::Stream stream, int mode, float scale, int threads)
       : mx::UnaryPrimitive(stream), mode_(mode), scale_(scale), threads_(threads) {}
 
-  // inputs: x, and keep (bool) or output (float32, kept where positive)
+  // inputs: x, and (but for RELU) keep (bool) or output (float32, kept where positive)
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out}, {0});
     const int64_t count = inputs[0].size();
     const float* x = inputs[0].data<float>();
     float* o = out.data<float>();
+    const void* condition = inputs.size() > 1 ? inputs[1].data<void>() : nullptr;
     const int used = kernels_native::threads_for(count, threads_, 1 << 16);  // elements
-    if (mode_ == RELU) {
-      encoder.dispatch([x, o, count, scale = scale_, used]() {
-        kernels_native::parallel_rows(count, used, [&](int, int64_t begin, int64_t end) {
-          masked_span<RELU, bool>(x, nullptr, scale, o, begin, end);
-        });
-      });
-      return;
-    }
-    if (mode_ == POSITIVE) {
-      encoder.dispatch([x, c = inputs[1].data<float>(), o, count, scale = scale_, used]() {
-        kernels_native::parallel_rows(count, used, [&](int, int64_t begin, int64_t end) {
-          masked_span<POSITIVE>(x, c, scale, o, begin, end);
-        });
-      });
-      return;
-    }
-    const auto run = mode_ == KEEP ? masked_span<KEEP, bool>
-                                   : (mode_ == KEEP_RELU ? masked_span<KEEP_RELU, bool> : masked_span<KEEP_VJP, bool>);
-    encoder.dispatch([x, c = inputs[1].data<bool>(), o, count, scale = scale_, used, run]() {
+    encoder.dispatch([x, condition, o, count, scale = scale_, used, run = SPANS[mode_]]() {
       kernels_native::parallel_rows(count, used, [&](int, int64_t begin, int64_t end) {
-        run(x, c, scale, o, begin, end);
+        run(x, condition, scale, o, begin, end);
       });
     });
   }
@@ -103,8 +85,9 @@ class MaskedScale : public mx::UnaryPrimitive {
     const auto through = [&](int mode, const array& condition) {
       return array(g.shape(), mx::float32, std::make_shared<MaskedScale>(s, mode, scale_, threads_), {g, condition});
     };
-    const array grad_x = (mode_ == KEEP_RELU || mode_ == RELU) ? through(POSITIVE, outputs[0])
-                                            : through(mode_ == POSITIVE ? POSITIVE : KEEP_VJP, primals[1]);
+    const bool from_output = mode_ == KEEP_RELU || mode_ == RELU;
+    const array grad_x =
+        from_output ? through(POSITIVE, outputs[0]) : through(mode_ == POSITIVE ? POSITIVE : KEEP_VJP, primals[1]);
     if (mode_ == RELU) {
       return {grad_x};
     }
