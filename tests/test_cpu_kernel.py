@@ -155,11 +155,14 @@ def test_cpu_kernel_half_precision(dtype, rng):
     assert_same(*ms_deform_attn_both_ways(shapes, args, "cpu"), tolerance)
 
 
-def test_cpu_kernel_threads_split_work_not_results(rng, monkeypatch):
-    """One thread or three: the same output and gradients bit for bit (the forward's samples are
-    independent; in the backward each (batch, head) pair is one thread's, its queries in order)."""
+@pytest.mark.parametrize("channels", [5, 32])
+def test_cpu_kernel_threads_split_work_not_results(channels, rng, monkeypatch):
+    """One thread or three: the same output and gradients bit for bit. The forward's samples are
+    independent: with 3 threads its 6 (batch, head) pairs are cut into 12 runs of 14 and 15 queries
+    (an odd run's last query summed alone); in the backward each pair is one thread's, its queries in
+    order. Whichever thread takes a run (parallel.h's shared counter), the bits are the same."""
     shapes = shapes_for(False)
-    args = ms_inputs(rng, shapes, False, batch=2, queries=29)
+    args = ms_inputs(rng, shapes, False, batch=2, queries=29, channels=channels)
     results = []
     for count in (1, 3):
         monkeypatch.setattr(cpu, "threads", lambda count=count: count)

@@ -5,9 +5,9 @@
 //
 // Both go head by head: a thread copies the (L, C) rows of the head it works on into a block of its
 // own, whatever value's layout, so that they stay in its cache and a tap's right-hand neighbour is
-// the next row. The forward's threads split the (batch, head, query) samples in that order; the
-// backward's split the (batch, head) pairs and take a pair's queries in order: each thread sums the
-// value gradient of its own heads only (no atomics), in a block it then copies out.
+// the next row. The threads take runs from a shared counter (parallel.h): the forward's a (batch,
+// head) pair's queries or a part of them, the backward's a whole pair, its queries in order: each
+// thread sums the value gradient of the heads it took only (no atomics), in a block it then copies out.
 
 #pragma once
 
@@ -38,7 +38,7 @@
 
 namespace ms_deform_attn_cpu {
 
-using kernels_native::parallel_rows;
+using kernels_native::parallel_runs;
 
 struct Problem {
   const float* value;
@@ -149,9 +149,9 @@ INLINE F chosen(F widest, F wide, F plain) {
 // value (B, L, H, C) or (B, H, L, C); locations (B, Q, H, levels, points, 2) or (B, 2, Q, H, levels,
 // points); weights (B, Q, H, levels, points); output (B, Q, H * C).
 template <int CHANNELS>
-void forward_rows(const Problem& p, float* output, int64_t begin, int64_t end) {
-  chosen(widest::forward_rows<CHANNELS>, wide::forward_rows<CHANNELS>, plain::forward_rows<CHANNELS>)(p, output, begin,
-                                                                                                    end);
+void forward_rows(const Problem& p, float* output, kernels_native::Runs& runs, int64_t split) {
+  chosen(widest::forward_rows<CHANNELS>, wide::forward_rows<CHANNELS>, plain::forward_rows<CHANNELS>)(p, output, runs,
+                                                                                                    split);
 }
 // The loops keep a tap's row as an int32 offset (row x channels) into a head's block.
 inline void check_offsets(const Problem& p) {
@@ -163,23 +163,30 @@ inline void check_offsets(const Problem& p) {
 inline void forward(const Problem& p, int threads, float* output) {
   check_offsets(p);
   const auto rows = p.channels == 32 ? forward_rows<32> : forward_rows<0>;
-  parallel_rows(int64_t(p.batch) * p.queries * p.heads, threads,
-                [&](int, int64_t begin, int64_t end) { rows(p, output, begin, end); });
+  // a run: a (batch, head) pair's queries, or a part of them where there are fewer pairs than
+  // RUNS_PER_THREAD x threads (each run a thread takes in another pair copies that head's rows)
+  const int64_t pairs = int64_t(p.batch) * p.heads;
+  if (pairs == 0) {
+    return;
+  }
+  const int64_t split = std::min<int64_t>(std::max<int64_t>(1, p.queries),
+                                          (int64_t(threads) * kernels_native::RUNS_PER_THREAD + pairs - 1) / pairs);
+  parallel_runs(pairs * split, threads, [&](int, kernels_native::Runs& runs) { rows(p, output, runs, split); });
 }
 
-// Every gradient is written in full. Threads split the (batch, head) pairs.
+// Every gradient is written in full. A run: one (batch, head) pair.
 template <int CHANNELS>
 void backward_rows(const Problem& p, const float* grad_output, float* grad_value, float* grad_locations,
-                   float* grad_weights, int64_t begin, int64_t end) {
+                   float* grad_weights, kernels_native::Runs& runs) {
   chosen(widest::backward_rows<CHANNELS>, wide::backward_rows<CHANNELS>, plain::backward_rows<CHANNELS>)(
-      p, grad_output, grad_value, grad_locations, grad_weights, begin, end);
+      p, grad_output, grad_value, grad_locations, grad_weights, runs);
 }
 inline void backward(const Problem& p, int threads, const float* grad_output, float* grad_value,
                      float* grad_locations, float* grad_weights) {
   check_offsets(p);
   const auto rows = p.channels == 32 ? backward_rows<32> : backward_rows<0>;
-  parallel_rows(int64_t(p.batch) * p.heads, threads, [&](int, int64_t begin, int64_t end) {
-    rows(p, grad_output, grad_value, grad_locations, grad_weights, begin, end);
+  parallel_runs(int64_t(p.batch) * p.heads, threads, [&](int, kernels_native::Runs& runs) {
+    rows(p, grad_output, grad_value, grad_locations, grad_weights, runs);
   });
 }
 

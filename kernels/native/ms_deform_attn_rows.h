@@ -362,22 +362,24 @@ INLINE void forward_any(const float* block, const Taps& taps, int channels, floa
 }
 
 // CHANNELS > 0 fixes the channel count at compile time (the model's 32); 0 reads it from the problem.
+// A run: a `split`-th of one (batch, head) pair's queries (ms_deform_attn_kernel.h: forward).
 template <int CHANNELS>
-void forward_rows(const Problem& p, float* output, int64_t begin, int64_t end) {
+void forward_rows(const Problem& p, float* output, kernels_native::Runs& runs, int64_t split) {
   Taps one(p), two(p), ahead(p);
   HeadBlock block(p);
-  for (int64_t task = begin; task < end;) {
-    const int64_t pair = task / p.queries, pair_end = std::min(end, (pair + 1) * p.queries);
+  for (int64_t run = runs.next(); run >= 0; run = runs.next()) {
+    const int64_t pair = run / split, part = run % split;
+    const int64_t first = pair * p.queries + p.queries * part / split, last = pair * p.queries + p.queries * (part + 1) / split;
     const float* rows = block.hold(p, pair);
     const int b = int(pair / p.heads);
-    while (task < pair_end) {
+    for (int64_t task = first; task < last;) {
       const int64_t sample = forward_sample(p, task);
-      if (task + PREFETCH_AHEAD + 1 < pair_end) {
+      if (task + PREFETCH_AHEAD + 1 < last) {
         ahead.prefetch(p, sample + PREFETCH_AHEAD * p.heads, b, output, p.channels);
         ahead.prefetch(p, sample + (PREFETCH_AHEAD + 1) * p.heads, b, output, p.channels);
       }
       one.locate_sample<false>(p, sample, b);
-      if (CHANNELS == 0 || task + 1 == pair_end) {
+      if (CHANNELS == 0 || task + 1 == last) {
         forward_any(rows, one, p.channels, output + sample * p.channels);
         task += 1;
         continue;
@@ -516,11 +518,11 @@ void backward_sample(const Problem& p, const Taps& taps, const float* values, fl
 // of the thread's own (HeadBlock), the gradient copied out when the head is done.
 template <int CHANNELS>
 void backward_rows(const Problem& p, const float* grad_output, float* grad_value, float* grad_locations,
-                   float* grad_weights, int64_t begin, int64_t end) {
+                   float* grad_weights, kernels_native::Runs& runs) {
   const int c_count = p.channels;
   Taps taps(p), ahead(p);
   HeadBlock values(p), grads(p);
-  for (int64_t pair = begin; pair < end; ++pair) {
+  for (int64_t pair = runs.next(); pair >= 0; pair = runs.next()) {
     const int b = int(pair / p.heads), head = int(pair % p.heads);
     const float* rows = values.hold(p, pair);
     std::fill(grads.block(), grads.block() + int64_t(p.length) * c_count, 0.0f);
