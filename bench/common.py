@@ -34,6 +34,21 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def sides_header() -> list[str]:
+    """The first lines of an ours-against-MLX's-ops report: when, on which CPU at what load, MLX, the
+    BLAS and the threads. MLX and kernels are imported here, by then loaded by the script."""
+    import kernels
+
+    import mlx.core as mx
+
+    return [
+        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
+        f"load average at start: {load_average()}",
+        f"mlx {mx.__version__}, BLAS {kernels.blas.description()}, threads {kernels.cpu.threads()}",
+        "",
+    ]
+
+
 def sides_lines(title: str, times: dict, agreement: str) -> list[str]:
     """The lines of an alternating comparison of "ours" and "MLX's ops" (`times`: side -> seconds of
     each round): the title, each side's median and rounds, the ratio, then `agreement`."""

@@ -27,7 +27,7 @@ from kernels.channel_affine import with_mlx_ops as channel_affine_with_mlx_ops  
 from kernels.sin_cos import with_mlx_ops as sin_cos_with_mlx_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from common import cpu_model, image_sizes, load_average, median_time, report, sides_lines  # noqa: E402
+from common import image_sizes, load_average, median_time, report, sides_header, sides_lines  # noqa: E402
 from model import ours_setup  # noqa: E402
 
 
@@ -118,12 +118,7 @@ def main(argv=None):
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "inference_ops_cpu.txt")
     args = parser.parse_args(argv)
     size = args.size[0]
-    lines = [
-        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
-        f"load average at start: {load_average()}",
-        f"mlx {mx.__version__}, BLAS {kernels.blas.description()}, threads {kernels.cpu.threads()}",
-        "",
-    ]
+    lines = sides_header()
     times, same = inference_times(size, args.repeats)
     title = f"R50 inference, batch 1, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):"
     lines += sides_lines(title, times, f"outputs bit for bit the same: {same}")

@@ -26,7 +26,7 @@ from deformable_detr.training.trainer import seed_step  # noqa: E402
 from kernels.masked_scale import masked_scale_with_mlx_ops, scale_where_positive_with_mlx_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from common import cpu_model, image_sizes, load_average, median_time, report, sides_lines  # noqa: E402
+from common import image_sizes, load_average, median_time, report, sides_header, sides_lines  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from model import ours_setup  # noqa: E402
 
@@ -87,12 +87,7 @@ def main(argv=None):
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "step_ops_cpu.txt")
     args = parser.parse_args(argv)
     size = args.size[0]
-    lines = [
-        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
-        f"load average at start: {load_average()}",
-        f"mlx {mx.__version__}, BLAS {kernels.blas.description()}, threads {kernels.cpu.threads()}",
-        "",
-    ]
+    lines = sides_header()
     times, same = step_times(size, args.repeats)
     title = f"R50 training step, micro-batch 2, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):"
     lines += sides_lines(title, times, f"loss and gradients bit for bit the same: {same}")
