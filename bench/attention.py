@@ -32,11 +32,14 @@ from common import bars, cpu_model, median_time  # noqa: E402
 from torch_reference import ms_deform_attn_core  # noqa: E402  (the authors' core, shared with the tests)
 
 ENCODER = dict(batch=2, shapes=((100, 134), (50, 67), (25, 34), (13, 17)), heads=8, channels=32, points=4)
+FOLD = 4  # "l1" points: 5 x 5 rows a level, 4 levels, value and its gradient: 25.6 KB at 32 channels
 
 
 def inputs(batch, shapes, heads, channels, points, seed=0, where="uniform"):
     """`where`: "uniform" points anywhere on each level, or "encoder" points as the encoder's: around
-    each token's own position (its pixel centre, seen from every level), 2 pixels of the level apart."""
+    each token's own position (its pixel centre, seen from every level), 2 pixels of the level apart;
+    "l1": the encoder points folded into the first 4 x 4 pixels of each level (a diagnostic for
+    bench/limits.py: the same bilinear weights and arithmetic, every tap row in L1)."""
     rng = np.random.default_rng(seed)
     length = sum(h * w for h, w in shapes)
     queries = length  # the encoder: every token queries
@@ -52,7 +55,10 @@ def inputs(batch, shapes, heads, channels, points, seed=0, where="uniform"):
         )  # (L, 2) x, y
         sides = np.array([[w, h] for h, w in shapes], np.float64)  # (levels, 2)
         offsets = rng.normal(0, 2, (batch, queries, heads, len(shapes), points, 2)) / sides[:, None, :]
-        locations = np.clip(centres[None, :, None, None, None, :] + offsets, 0, 1).astype(np.float32)
+        locations = np.clip(centres[None, :, None, None, None, :] + offsets, 0, 1)
+        if where == "l1":  # pixels modulo 4: each point keeps its place within its pixel
+            locations = np.mod(locations * sides[:, None, :], FOLD) / sides[:, None, :]
+        locations = locations.astype(np.float32)
     weights = rng.uniform(0, 1, (batch, queries, heads, len(shapes), points)).astype(np.float32)
     return value, locations, weights
 

@@ -12,8 +12,10 @@ and at the R50 backbone's convolutions as products (im2col shapes at 800 x 1066,
 
 Workloads: the attention core (`kernels.ms_deform_attn`, backend cpu, bench/attention.py's encoder
 shape and points, uniform and encoder-like), forward and forward + backward (`mx.vjp` from a given
-output gradient); R50 inference (batch 1, 800 x 1066, bench/model.py's setup) and one training step
-(batch 2 at --train-size, checkpointing off). For each, the work it must do is counted from the
+output gradient), and as a diagnostic the encoder-like points folded into each level's first 4 x 4
+pixels (the same arithmetic with every tap row in L1: what is left when memory costs nothing); R50
+inference (batch 1, 800 x 1066, bench/model.py's setup) and one training step (batch 2 at
+--train-size, checkpointing off). For each, the work it must do is counted from the
 shapes (the formulas are printed): bytes that must move and FLOPs, each term at the rate that
 applies, the bound their maximum, beside the median measured time: ratio = measured / bound (1 would
 be at the machine's limit).
@@ -121,7 +123,7 @@ def core_times(shapes, arrays, repeats) -> tuple[float, float]:
 def attention_times(repeats: int) -> dict:
     """(points, forward + backward?) -> (work, median seconds, cores had) of the attention core, backend cpu."""
     times = {}
-    for where in ("uniform", "encoder"):
+    for where in ("uniform", "encoder", "l1"):
         arrays = inputs(**ENCODER, where=where)
         with CoresHad() as had:
             seconds = core_times(ENCODER["shapes"], arrays, repeats)
@@ -140,13 +142,15 @@ def attention_rows(ceilings: dict, times: dict) -> tuple[list, list]:
             else ceilings["read_l1_all"]
         )
         level = "a head's value, all cores" if where == "uniform" else "L1, all cores"
+        # l1: the encoder-like points' arithmetic with every row in L1, against the encoder-like bound
         terms = [
             (f"tap rows at {level}", work["tap_bytes"] / taps_rate / 1e9),
             ("FMA peak", work["flop"] / ceilings["fma_all"] / 1e9),
             ("compulsory bytes at triad", work["bytes"] / ceilings["triad"] / 1e9),
         ]
         seconds_bound, which = bound(terms)
-        name = f"attention, {'encoder-like' if where == 'encoder' else 'uniform'}, {'fwd+bwd' if both else 'fwd'}"
+        points = {"uniform": "uniform", "encoder": "encoder-like", "l1": "encoder-like, rows in L1 (diagnostic)"}
+        name = f"attention, {points[where]}, {'fwd+bwd' if both else 'fwd'}"
         text = f"{work['flop'] / 1e9:.2f} GFLOP, {work['tap_bytes'] / 1e9:.2f} GB taps, {work['bytes'] / 1e9:.3f} GB"
         rows.append((name, text, seconds_bound, which, seconds, cores))
         if where == "uniform":  # the same counts for both distributions
