@@ -120,10 +120,15 @@ def core_times(shapes, arrays, repeats) -> tuple[float, float]:
     return forward, both
 
 
+# attention.py's point distributions timed here, and their names in the table ("l1": the encoder-like
+# points' arithmetic with every row in L1, against the encoder-like bound)
+POINTS = {"uniform": "uniform", "encoder": "encoder-like", "l1": "encoder-like, rows in L1 (diagnostic)"}
+
+
 def attention_times(repeats: int) -> dict:
     """(points, forward + backward?) -> (work, median seconds, cores had) of the attention core, backend cpu."""
     times = {}
-    for where in ("uniform", "encoder", "l1"):
+    for where in POINTS:
         arrays = inputs(**ENCODER, where=where)
         with CoresHad() as had:
             seconds = core_times(ENCODER["shapes"], arrays, repeats)
@@ -133,7 +138,7 @@ def attention_times(repeats: int) -> dict:
 
 
 def attention_rows(ceilings: dict, times: dict) -> tuple[list, list]:
-    """Table rows and the printed counts for the attention core, both point distributions."""
+    """Table rows and the printed counts for the attention core, every point distribution."""
     rows, notes = [], []
     for (where, both), (work, seconds, cores) in times.items():
         taps_rate = (
@@ -142,18 +147,16 @@ def attention_rows(ceilings: dict, times: dict) -> tuple[list, list]:
             else ceilings["read_l1_all"]
         )
         level = "a head's value, all cores" if where == "uniform" else "L1, all cores"
-        # l1: the encoder-like points' arithmetic with every row in L1, against the encoder-like bound
         terms = [
             (f"tap rows at {level}", work["tap_bytes"] / taps_rate / 1e9),
             ("FMA peak", work["flop"] / ceilings["fma_all"] / 1e9),
             ("compulsory bytes at triad", work["bytes"] / ceilings["triad"] / 1e9),
         ]
         seconds_bound, which = bound(terms)
-        points = {"uniform": "uniform", "encoder": "encoder-like", "l1": "encoder-like, rows in L1 (diagnostic)"}
-        name = f"attention, {points[where]}, {'fwd+bwd' if both else 'fwd'}"
+        name = f"attention, {POINTS[where]}, {'fwd+bwd' if both else 'fwd'}"
         text = f"{work['flop'] / 1e9:.2f} GFLOP, {work['tap_bytes'] / 1e9:.2f} GB taps, {work['bytes'] / 1e9:.3f} GB"
         rows.append((name, text, seconds_bound, which, seconds, cores))
-        if where == "uniform":  # the same counts for both distributions
+        if where == "uniform":  # the same counts for every distribution
             notes.append(f"attention, {'fwd+bwd' if both else 'fwd'} (either points): {work['formula']}")
     return rows, notes
 
