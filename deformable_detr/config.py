@@ -89,6 +89,9 @@ class DataConfig:
     crop_size: list = field(default_factory=lambda: [384, 600])  # random crop side range
     val_size: int = 800
     skip_bad_images: bool = False  # False: a missing or unreadable image stops with its path
+    # the frame of EXIF-tagged photos (deformable_detr/data/images.py): auto (YOLO: as displayed; COCO,
+    # VOC: the frame whose size the annotations record, as stored where both are equal) | displayed | stored
+    exif_orientation: str = field(default="auto", metadata={"choices": ("auto", "displayed", "stored")})
 
 
 @dataclass

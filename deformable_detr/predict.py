@@ -23,7 +23,7 @@ from tqdm import tqdm
 from .cli import ArgumentParser, entry_point
 from .errors import UsageError
 from .inference.detector import Detections, Detector
-from .inference.inputs import VIDEO_SUFFIXES, find_inputs, open_image
+from .inference.inputs import VIDEO_SUFFIXES, displayed_size, find_inputs, open_image
 from .inference.visualize import draw_sampling_points, grid
 from .video import check_video_arguments, predict_video
 
@@ -46,7 +46,7 @@ def readable_images(paths: list[Path], skip: bool, encoder_pixel) -> list[Path]:
     kept = []
     for path in paths:
         try:
-            size = open_image(path, header_only=True).size
+            size = displayed_size(path)
         except ValueError as error:
             if not skip:
                 raise ValueError(f"{error}; --skip-unreadable leaves such images out") from None

@@ -123,7 +123,7 @@ def cases(data, tmp):
             PREDICT,
             [*config, *weights, str(image), str(tmp / "broken.png")],
             1,
-            f"{tmp / 'broken.png'}: cannot read it as an image",
+            f"{tmp / 'broken.png'}: cannot read image",
         ),
         "predict unreadable video": (
             PREDICT,

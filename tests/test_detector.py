@@ -89,7 +89,7 @@ def test_bad_input_is_named(detector, tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing.png: no such image file"):
         detector.predict(tmp_path / "nothing.png")
     (tmp_path / "broken.png").write_bytes(b"not an image")
-    with pytest.raises(ValueError, match="broken.png: cannot read it as an image"):
+    with pytest.raises(ValueError, match="broken.png: cannot read image"):
         detector.predict(tmp_path / "broken.png")
     with pytest.raises(ValueError, match="export to 'onnx-ish': expected"):
         detector.export("onnx-ish", tmp_path / "out")

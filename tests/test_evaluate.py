@@ -99,7 +99,7 @@ def test_predict_draws_and_names_bad_images(trained, tmp_path, capsys):
     with pytest.raises(SystemExit, match=f"error: {tmp_path / 'nothing.png'}: no such image file"):
         predict_main([*args, str(image), str(tmp_path / "nothing.png")])
     (tmp_path / "broken.png").write_bytes(b"not an image")
-    with pytest.raises(SystemExit, match=r"broken\.png: cannot read it as an image"):
+    with pytest.raises(SystemExit, match=r"broken\.png: cannot read image"):
         predict_main([*args, str(tmp_path / "broken.png")])
     predict_main([*args, str(image)])
     records = json.loads((tmp_path / "000000000001.json").read_text())

@@ -228,11 +228,11 @@ def test_an_unreadable_image_among_many(tiny, tmp_path, capsys):
         picture(64, 64, i).save(tmp_path / f"{i}.png")
     (tmp_path / "1.png").write_bytes(b"\x89PNG truncated")
     argv = [*argv, "--output-dir", str(tmp_path / "out"), str(tmp_path)]
-    with pytest.raises(SystemExit, match=r"1\.png: cannot read it as an image .*--skip-unreadable"):
+    with pytest.raises(SystemExit, match=r"1\.png: cannot read image: .*--skip-unreadable"):
         predict_main(argv)
     assert not (tmp_path / "out").exists()  # found before any work
     predict_main([*argv, "--skip-unreadable"])
-    assert f"skipped: {tmp_path / '1.png'}: cannot read it as an image" in capsys.readouterr().out
+    assert f"skipped: {tmp_path / '1.png'}: cannot read image" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "out").glob("*.json")) == ["0.json", "2.json"]
 
 

@@ -52,7 +52,8 @@ def data_path(data_cfg) -> str:
 @register_dataset("coco")
 def coco(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     transforms = make_transforms(split, data_cfg)
-    return CocoDetection(data_path(data_cfg), split, transforms, data_cfg.skip_bad_images, strict)
+    orientation = data_cfg.exif_orientation
+    return CocoDetection(data_path(data_cfg), split, transforms, data_cfg.skip_bad_images, strict, orientation)
 
 
 @register_dataset("shapes")
@@ -68,14 +69,14 @@ def shapes(split: str, data_cfg, prepare: bool = True, strict: bool = True):
 @register_dataset("yolo")
 def yolo(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     """Ultralytics' layout: `data.path` is the data.yaml or its folder (`yolo.py`)."""
-    parsed = read_yolo(data_path(data_cfg), split, data_cfg.skip_bad_images)
+    parsed = read_yolo(data_path(data_cfg), split, data_cfg.skip_bad_images, data_cfg.exif_orientation)
     return InMemoryDetection(parsed, make_transforms(split, data_cfg), data_cfg.skip_bad_images, strict)
 
 
 @register_dataset("voc")
 def voc(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     """Pascal VOC's layout: `data.path` holds Annotations/, ImageSets/Main/, JPEGImages/ (`voc.py`)."""
-    parsed = read_voc(data_path(data_cfg), split)
+    parsed = read_voc(data_path(data_cfg), split, data_cfg.exif_orientation)
     return InMemoryDetection(parsed, make_transforms(split, data_cfg), data_cfg.skip_bad_images, strict)
 
 

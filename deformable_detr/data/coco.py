@@ -6,9 +6,9 @@ import math
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from .files import read_json
+from .images import ImageFile, UnreadableImageError
 from .loader import BadImageError
 from .transforms import normalize
 
@@ -70,11 +70,27 @@ def _is_index(value) -> bool:
     return _is_number(value) and isinstance(value, int) and value >= 0
 
 
+def recorded_size(info: dict):
+    """(width, height) an annotation file records for an image, or None."""
+    width, height = info.get("width"), info.get("height")
+    return (int(width), int(height)) if _is_number(width) and _is_number(height) else None
+
+
 class CocoDetection:
     """`root/{split}2017/` images and `root/annotations/instances_{split}2017.json`. Crowd boxes are
-    dropped, boxes clipped to the image, degenerate boxes removed (as the authors)."""
+    dropped, boxes clipped to the image, degenerate boxes removed (as the authors). An EXIF-tagged
+    photo is read in the frame whose size the file records (`exif_orientation`: data.exif_orientation,
+    `images.py`)."""
 
-    def __init__(self, root, split: str, transforms=None, skip_bad_images: bool = False, strict: bool = True):
+    def __init__(
+        self,
+        root,
+        split: str,
+        transforms=None,
+        skip_bad_images: bool = False,
+        strict: bool = True,
+        exif_orientation: str = "auto",
+    ):
         root = Path(root)
         self.image_dir = root / f"{split}2017"
         self.annotation_file = root / "annotations" / f"instances_{split}2017.json"
@@ -95,21 +111,36 @@ class CocoDetection:
         self.ids = sorted(self.coco.imgs)
         self.transforms = transforms
         self.skip_bad_images = skip_bad_images
+        self.exif_orientation = exif_orientation
 
     def __len__(self):
         return len(self.ids)
 
     def image_sizes(self) -> list[tuple[int, int]]:
-        """(width, height) of every image, from the annotation file (or the image's header)."""
+        """(width, height) of every image, from the annotation file (or the image's header, in the
+        frame it is read in)."""
         sizes = []
         for image_id in self.ids:
             info = self.coco.imgs[image_id]
-            if "width" in info and "height" in info:
-                sizes.append((int(info["width"]), int(info["height"])))
-            else:
-                with Image.open(self.image_dir / info["file_name"]) as image:
-                    sizes.append(image.size)
+            recorded = recorded_size(info)
+            if recorded is None:
+                with ImageFile(self.image_dir / info["file_name"]) as header:
+                    recorded = header.size_in(header.frame_for(None, self.exif_orientation))
+            sizes.append(recorded)
         return sizes
+
+    def read_image(self, image_id):
+        """The image `image_id` decoded as RGB in the frame its recorded size names (a BadImageError
+        naming the file and image id where it is missing or cannot be decoded)."""
+        info = self.coco.imgs[image_id]
+        path = self.image_dir / info["file_name"]
+        try:
+            with ImageFile(path) as header:
+                return header.rgb(header.frame_for(recorded_size(info), self.exif_orientation))
+        except FileNotFoundError:
+            raise BadImageError(f"{path}: image file not found (image id {image_id})") from None
+        except UnreadableImageError as error:
+            raise BadImageError(f"{error} (image id {image_id})") from None
 
     def class_names(self) -> dict[int, str]:
         """{category id: name} of the annotation file's `categories`."""
@@ -123,15 +154,7 @@ class CocoDetection:
     def load(self, index: int):
         """-> (PIL RGB image, target with `boxes` x0, y0, x1, y1 pixels, `labels`, `image_id`, `orig_size`)."""
         image_id = self.ids[index]
-        info = self.coco.imgs[image_id]
-        path = self.image_dir / info["file_name"]
-        try:
-            with Image.open(path) as image:
-                image = image.convert("RGB")
-        except FileNotFoundError:
-            raise BadImageError(f"{path}: image file not found (image id {image_id})") from None
-        except (UnidentifiedImageError, OSError) as error:
-            raise BadImageError(f"{path}: cannot read image (image id {image_id}): {error}") from None
+        image = self.read_image(image_id)
         width, height = image.size
         annotations = [a for a in self.coco.imgToAnns.get(image_id, []) if not a.get("iscrowd", 0)]
         boxes = np.array([a["bbox"] for a in annotations], dtype=np.float32).reshape(-1, 4)

@@ -26,6 +26,7 @@ class ParsedSplit:
     problems: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     headers_read: bool = False  # every image's header read already (its size): the check need not
+    exif_orientation: str = "auto"  # the frame rule its images are read by (data.exif_orientation)
 
 
 def coco_from_dict(data: dict):
@@ -58,3 +59,4 @@ class InMemoryDetection(CocoDetection):
         self.ids = sorted(self.coco.imgs)
         self.transforms = transforms
         self.skip_bad_images = skip_bad_images
+        self.exif_orientation = split.exif_orientation

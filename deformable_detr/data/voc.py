@@ -14,9 +14,8 @@ ymax), `JPEGImages/` (the XML's `filename`, else `<id>.jpg`).
 import math
 from pathlib import Path
 
-from PIL import Image
-
 from .files import read_xml
+from .images import ImageFile, UnreadableImageError
 from .in_memory import ParsedSplit
 
 SPLITS = ("train", "val")
@@ -69,8 +68,8 @@ def read_objects(path: Path) -> tuple[object, list[dict]]:
     return root, objects
 
 
-def image_size(root, path: Path, image_path: Path) -> tuple[int, int]:
-    """(width, height) from the XML's <size>, else from the image's header."""
+def image_size(root, path: Path, image_path: Path, exif_orientation: str = "auto") -> tuple[int, int]:
+    """(width, height) from the XML's <size>, else from the image's header (in the frame it is read in)."""
     size = root.find("size")
     try:
         width, height = int(_number(size, "width", path)), int(_number(size, "height", path))
@@ -79,9 +78,9 @@ def image_size(root, path: Path, image_path: Path) -> tuple[int, int]:
     if width > 0 and height > 0:
         return width, height
     try:
-        with Image.open(image_path) as image:
-            return image.size
-    except OSError as error:  # missing or not an image
+        with ImageFile(image_path) as header:
+            return header.size_in(header.frame_for(None, exif_orientation))
+    except (OSError, UnreadableImageError) as error:  # missing or not an image
         raise ValueError(f"{image_path}: cannot read the image for its size ({path} gives none): {error}") from None
 
 
@@ -101,7 +100,7 @@ def class_names(root: Path) -> dict[int, str]:
     return dict(enumerate(sorted(names)))
 
 
-def read_voc(path, split: str) -> ParsedSplit:
+def read_voc(path, split: str, exif_orientation: str = "auto") -> ParsedSplit:
     """The `split` ("train" or "val") of the VOC set in the folder `path` (holding Annotations/)."""
     root = Path(path)
     listing, image_ids = image_list(root, split)
@@ -109,6 +108,7 @@ def read_voc(path, split: str) -> ParsedSplit:
     ids = {name: i for i, name in names.items()}
     parsed = ParsedSplit(split, listing, root / "JPEGImages", {"images": [], "annotations": [], "categories": []})
     parsed.data["categories"] = [{"id": i, "name": name} for i, name in names.items()]
+    parsed.exif_orientation = exif_orientation
     for number, name in image_ids:
         xml = root / "Annotations" / f"{name}.xml"
         if not xml.is_file():
@@ -117,7 +117,7 @@ def read_voc(path, split: str) -> ParsedSplit:
         try:
             tree, objects = read_objects(xml)
             file_name = getattr(tree.find("filename"), "text", "") or f"{name}.jpg"
-            width, height = image_size(tree, xml, parsed.image_dir / file_name)
+            width, height = image_size(tree, xml, parsed.image_dir / file_name, exif_orientation)
         except ValueError as error:
             parsed.problems.append(str(error))
             continue

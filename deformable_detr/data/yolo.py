@@ -10,17 +10,15 @@ without a label file has no boxes, as Ultralytics reads it.
 
 Category ids are the class indices; names those of data.yaml. Every image's header is read (its
 size turns normalised boxes into pixels): one that cannot be read is a problem, or with
-`data.skip_bad_images` is left out."""
+`data.skip_bad_images` is left out. Labels are in the frame a viewer shows (EXIF orientation
+applied, as Ultralytics reads them; data.exif_orientation `stored`: the pixels as stored)."""
 
 import math
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
-
 from .files import read_yaml
+from .images import IMAGE_SUFFIXES, ImageFile, UnreadableImageError
 from .in_memory import ParsedSplit
-
-IMAGE_SUFFIXES = {".bmp", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp"}  # Ultralytics' decodable ones
 
 
 def find_data_yaml(path) -> Path:
@@ -151,20 +149,23 @@ def read_labels(path: Path, names: dict, width: int, height: int, problems: list
     return annotations
 
 
-def read_yolo(path, split: str, skip_bad_images: bool = False) -> ParsedSplit:
-    """The `split` ("train" or "val") of the YOLO set whose data.yaml is `path` (or in the folder `path`)."""
+def read_yolo(path, split: str, skip_bad_images: bool = False, exif_orientation: str = "auto") -> ParsedSplit:
+    """The `split` ("train" or "val") of the YOLO set whose data.yaml is `path` (or in the folder `path`);
+    images in the displayed frame unless `exif_orientation` is "stored"."""
     yaml_path = find_data_yaml(path)
     data, root, names = read_data_yaml(yaml_path)
     parsed = ParsedSplit(split, yaml_path, root, {"images": [], "annotations": [], "categories": []})
     parsed.headers_read = True
+    frame = "stored" if exif_orientation == "stored" else "displayed"
+    parsed.exif_orientation = frame  # the recorded sizes are this frame's: every image is read in it
     parsed.data["categories"] = [{"id": i, "name": name} for i, name in names.items()]
     unlabelled = []
     for image_path in split_images(data, split, root, yaml_path):
         try:
-            with Image.open(image_path) as image:
-                width, height = image.size
-        except (FileNotFoundError, UnidentifiedImageError, OSError) as error:
-            reason = "image file not found" if isinstance(error, FileNotFoundError) else f"cannot read image: {error}"
+            with ImageFile(image_path) as header:
+                width, height = header.size_in(frame)
+        except (FileNotFoundError, UnreadableImageError) as error:
+            reason = "image file not found" if isinstance(error, FileNotFoundError) else str(error).split(": ", 1)[-1]
             if skip_bad_images:
                 parsed.notes.append(f"{image_path}: {reason}; left out (data.skip_bad_images)")
             else:

@@ -4,11 +4,11 @@ import glob
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from ..data.images import IMAGE_SUFFIXES, ImageFile, as_displayed, read_image
 from ..errors import UsageError
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}
 
 
@@ -34,24 +34,26 @@ def find_inputs(arguments: list) -> list[Path]:
     return found
 
 
-def open_image(path: Path, header_only: bool = False) -> Image.Image:
-    """The image at `path` in RGB (`header_only`: opened, not decoded); an error naming it otherwise."""
-    try:
-        with Image.open(path) as image:
-            return image if header_only else image.convert("RGB")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such image file") from None
-    except (UnidentifiedImageError, OSError) as error:
-        raise ValueError(f"{path}: cannot read it as an image ({error})") from None
+def open_image(path: Path) -> Image.Image:
+    """The image at `path` in RGB as a viewer shows it (EXIF orientation applied: `data/images.py`);
+    FileNotFoundError or a ValueError (`UnreadableImageError`) naming it otherwise."""
+    return read_image(path, "displayed")
+
+
+def displayed_size(path: Path) -> tuple[int, int]:
+    """(width, height) of the image at `path` as a viewer shows it, from its header alone."""
+    with ImageFile(path) as header:
+        return header.displayed_size
 
 
 def as_image(item) -> Image.Image:
-    """A PIL image, or an (H, W, 3) / (H, W) uint8 array (RGB, as PIL and imageio give them), as RGB."""
+    """A PIL image (turned by its EXIF orientation where it still carries one), or an (H, W, 3) /
+    (H, W, 4) / (H, W) uint8 array (RGB, as PIL and imageio give them), as RGB."""
     if isinstance(item, Image.Image):
-        return item.convert("RGB")
+        return as_displayed(item)
     array = np.asarray(item)
     if array.dtype != np.uint8 or not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
         raise ValueError(
             f"an image array must be (H, W, 3) RGB, (H, W, 4) or (H, W) uint8; got {array.shape} {array.dtype}"
         )
-    return Image.fromarray(array).convert("RGB")
+    return as_displayed(Image.fromarray(array))
