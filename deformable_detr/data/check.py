@@ -16,6 +16,7 @@ from ..cli import ArgumentParser, entry_point
 from ..config import load_config
 from ..errors import CommandError
 from . import DATASETS, build_dataset
+from .coco import dropped_reason
 
 BUILT_IN = ("coco", "shapes", "yolo", "voc")  # their builders take strict=False: every problem kept
 SPLITS = ("train", "val")
@@ -42,17 +43,6 @@ def open_split(split: str, data_cfg):
     if data_cfg.dataset in BUILT_IN:
         return DATASETS[data_cfg.dataset](split, data_cfg, False, strict=False)
     return build_dataset(split, data_cfg, prepare=False)
-
-
-def dropped_reason(box, width, height) -> str | None:
-    """Why training drops a box (x, y, w, h) of an image of this size, as CocoDetection.load clips
-    and drops: None when it is kept."""
-    x, y, w, h = box
-    if w <= 0 or h <= 0:
-        return "zero size"
-    if min(x + w, width) <= max(x, 0) or min(y + h, height) <= max(y, 0):
-        return "outside the image"
-    return None
 
 
 def count_boxes(dataset, report: Report):

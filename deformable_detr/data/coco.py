@@ -70,6 +70,17 @@ def _is_index(value) -> bool:
     return _is_number(value) and isinstance(value, int) and value >= 0
 
 
+def dropped_reason(box, width, height) -> str | None:
+    """Why training drops a box (x, y, w, h) of an image of this size, as `CocoDetection.load` clips
+    and drops: None when it is kept."""
+    x, y, w, h = box
+    if w <= 0 or h <= 0:
+        return "zero size"
+    if min(x + w, width) <= max(x, 0) or min(y + h, height) <= max(y, 0):
+        return "outside the image"
+    return None
+
+
 def recorded_size(info: dict):
     """(width, height) an annotation file records for an image, or None."""
     width, height = info.get("width"), info.get("height")
@@ -145,6 +156,11 @@ class CocoDetection:
     def class_names(self) -> dict[int, str]:
         """{category id: name} of the annotation file's `categories`."""
         return {int(c["id"]): str(c["name"]) for c in self.coco.cats.values()}
+
+    def class_spellings(self) -> dict[int, dict[str, int]]:
+        """{category id: {spelling: boxes}} for each class whose name came in several spellings that
+        differ only in case or surrounding space (merged into one class: `classes.py`); {} when none."""
+        return dict(getattr(self, "spellings", {}))
 
     def max_category_id(self) -> int:
         """The largest category id of the annotations and the category list (-1 when both are empty)."""
