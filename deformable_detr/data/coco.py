@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .classes import merge_classes
 from .files import read_json
 from .images import ImageFile, UnreadableImageError
 from .loader import BadImageError
@@ -115,6 +116,8 @@ class CocoDetection:
         self.problems, self.notes = list(annotation_problems(data, self.annotation_file, split)), []
         if strict and self.problems:
             raise ValueError(self.problems[0])
+        # names that differ only in case or surrounding space: one class (classes.py)
+        self.spellings = merge_classes(data) if isinstance(data, dict) else {}
         self.coco = COCO()
         self.coco.dataset = data if isinstance(data, dict) else {}
         with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(KeyError, TypeError):
@@ -160,7 +163,7 @@ class CocoDetection:
     def class_spellings(self) -> dict[int, dict[str, int]]:
         """{category id: {spelling: boxes}} for each class whose name came in several spellings that
         differ only in case or surrounding space (merged into one class: `classes.py`); {} when none."""
-        return dict(getattr(self, "spellings", {}))
+        return dict(self.spellings)
 
     def max_category_id(self) -> int:
         """The largest category id of the annotations and the category list (-1 when both are empty)."""

@@ -244,4 +244,4 @@ def _gray(values: np.ndarray) -> Image.Image:
 def _stretched(values: np.ndarray) -> np.ndarray:
     """Linearly from the minimum (0) to the maximum (255); a constant image is 0."""
     low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
-    return np.round((values - low) * (255.0 / (high - low))) if high > low else np.zeros_like(values)
+    return np.round((values - low) * 255.0 / (high - low)) if high > low else np.zeros_like(values)

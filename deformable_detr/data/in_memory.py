@@ -27,6 +27,7 @@ class ParsedSplit:
     notes: list = field(default_factory=list)
     headers_read: bool = False  # every image's header read already (its size): the check need not
     exif_orientation: str = "auto"  # the frame rule its images are read by (data.exif_orientation)
+    spellings: dict = field(default_factory=dict)  # {category id: Counter(spelling: boxes)}, classes.py
 
 
 def coco_from_dict(data: dict):
@@ -60,3 +61,4 @@ class InMemoryDetection(CocoDetection):
         self.transforms = transforms
         self.skip_bad_images = skip_bad_images
         self.exif_orientation = split.exif_orientation
+        self.spellings = split.spellings

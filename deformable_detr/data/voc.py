@@ -2,7 +2,8 @@
 `Annotations/<id>.xml` (`size`, and per `object`: `name`, `difficult`, `bndbox` xmin, ymin, xmax,
 ymax), `JPEGImages/` (the XML's `filename`, else `<id>.jpg`).
 
-- Category ids: 0, 1, ... in the sorted order of the `name`s of both splits' files. Sorted because
+- Category ids: 0, 1, ... in the sorted order of the `name`s of both splits' files (names that differ
+  only in case are one class, named by its most frequent spelling: classes.py). Sorted because
   VOC's own 20 classes are listed alphabetically by its devkit (VOCinit.m: aeroplane, bicycle, ...),
   so VOC itself gets its usual ids; both splits, so train and val agree whichever classes each holds.
 - Boxes: the devkit's pixel indices are 1-based and inclusive, so a box covers x in [xmin - 1, xmax]
@@ -12,8 +13,10 @@ ymax), `JPEGImages/` (the XML's `filename`, else `<id>.jpg`).
   is neither a true nor a false positive; COCO measures that overlap by the detection's area)."""
 
 import math
+from collections import Counter
 from pathlib import Path
 
+from .classes import chosen_spelling, spelling_groups
 from .files import read_xml
 from .images import ImageFile, UnreadableImageError
 from .in_memory import ParsedSplit
@@ -84,31 +87,42 @@ def image_size(root, path: Path, image_path: Path, exif_orientation: str = "auto
         raise ValueError(f"{image_path}: cannot read the image for its size ({path} gives none): {error}") from None
 
 
-def class_names(root: Path) -> dict[int, str]:
-    """{id: name}: the sorted names of every object in both splits' annotation files (unreadable files
-    skipped here: reading their split names them)."""
-    names = set()
+def class_spellings(root: Path) -> Counter:
+    """Counter(name as written: objects) of both splits' annotation files, in the order met (unreadable
+    files skipped here: reading their split names them)."""
+    spellings = Counter()
     for split in SPLITS:
         listing = root / "ImageSets" / "Main" / f"{split}.txt"
         if not listing.is_file():
             continue
         for _, image_id in image_list(root, split)[1]:
             try:
-                names.update(o["name"] for o in read_objects(root / "Annotations" / f"{image_id}.xml")[1])
+                spellings.update(o["name"] for o in read_objects(root / "Annotations" / f"{image_id}.xml")[1])
             except (OSError, ValueError):
                 continue
-    return dict(enumerate(sorted(names)))
+    return spellings
+
+
+def class_names(root: Path) -> tuple[dict[int, str], dict[str, int], dict[int, Counter]]:
+    """-> ({id: name}: the sorted names of both splits' classes, each its most frequent spelling (names
+    that differ only in case are one class: classes.py), {spelling: id}, {id: Counter(spelling: objects)}
+    of the classes written several ways)."""
+    groups = spelling_groups(class_spellings(root))
+    names = sorted((chosen_spelling(group), group) for group in groups.values())
+    ids = {spelling: i for i, (_, group) in enumerate(names) for spelling in group}
+    several = {i: group for i, (_, group) in enumerate(names) if len(group) > 1}
+    return {i: name for i, (name, _) in enumerate(names)}, ids, several
 
 
 def read_voc(path, split: str, exif_orientation: str = "auto") -> ParsedSplit:
     """The `split` ("train" or "val") of the VOC set in the folder `path` (holding Annotations/)."""
     root = Path(path)
     listing, image_ids = image_list(root, split)
-    names = class_names(root)
-    ids = {name: i for i, name in names.items()}
+    names, ids, spellings = class_names(root)
     parsed = ParsedSplit(split, listing, root / "JPEGImages", {"images": [], "annotations": [], "categories": []})
     parsed.data["categories"] = [{"id": i, "name": name} for i, name in names.items()]
     parsed.exif_orientation = exif_orientation
+    parsed.spellings = spellings
     for number, name in image_ids:
         xml = root / "Annotations" / f"{name}.xml"
         if not xml.is_file():

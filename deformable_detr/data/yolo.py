@@ -5,8 +5,11 @@
 relative to the list's folder, or a list of these; relative to `path`), `names` (a list, or a
 mapping {index: name}), `nc` (optional, checked). An image's labels are the .txt file at its path
 with the last `images` folder replaced by `labels`: one line per box, `class cx cy w h`, the class
-a 0-based index into `names` and the box normalised to the image's width and height. An image
-without a label file has no boxes, as Ultralytics reads it.
+a 0-based index into `names` and the box normalised to the image's width and height. A segmentation
+line, `class x1 y1 x2 y2 x3 y3 ...` (Ultralytics' seg format, Roboflow's polygon export), is its
+polygon's bounding box, as Ultralytics reads it; in a pose set (data.yaml has `kpt_shape`) a line's
+keypoints after the box are ignored. Both are counted in the notes. An image without a label file
+has no boxes, as Ultralytics reads it.
 
 Category ids are the class indices; names those of data.yaml. Every image's header is read (its
 size turns normalised boxes into pixels): one that cannot be read is a problem, or with
@@ -14,8 +17,10 @@ size turns normalised boxes into pixels): one that cannot be read is a problem, 
 applied, as Ultralytics reads them; data.exif_orientation `stored`: the pixels as stored)."""
 
 import math
+from collections import Counter
 from pathlib import Path
 
+from .classes import merge_classes
 from .files import read_yaml
 from .images import IMAGE_SUFFIXES, ImageFile, UnreadableImageError
 from .in_memory import ParsedSplit
@@ -93,10 +98,15 @@ def label_path(image: Path) -> Path:
     return Path(*parts).with_suffix(".txt")
 
 
-def parse_label_line(fields: list[str], names: dict) -> tuple[int, list[float]]:
-    """`class cx cy w h` -> (class index, [cx, cy, w, h]); a ValueError says what is wrong."""
-    if len(fields) != 5:
-        raise ValueError(f"expected 5 fields 'class cx cy w h', got {len(fields)}")
+def parse_label_line(fields: list[str], names: dict, pose: bool = False) -> tuple[int, list[float], str]:
+    """`class cx cy w h` -> (class index, [cx, cy, w, h], "box"); a polygon `class x1 y1 ... xn yn` (3 or
+    more points) -> its bounding box, "polygon"; with `pose`, `class cx cy w h` and keypoints -> the box,
+    "pose". A ValueError says what is wrong."""
+    kind = "box" if len(fields) == 5 else "pose" if pose and len(fields) > 5 else "polygon"
+    if kind == "polygon" and (len(fields) < 7 or len(fields) % 2 == 0):
+        raise ValueError(
+            f"expected 5 fields 'class cx cy w h' or a polygon 'class x1 y1 x2 y2 x3 y3 ...', got {len(fields)}"
+        )
     try:
         values = [float(f) for f in fields]
     except ValueError:
@@ -108,7 +118,11 @@ def parse_label_line(fields: list[str], names: dict) -> tuple[int, list[float]]:
         raise ValueError(f"class {fields[0]!r} is not an integer")
     if int(values[0]) not in names:
         raise ValueError(f"class {int(values[0])} is not one of the {len(names)} names (0..{max(names)})")
-    return int(values[0]), values[1:]
+    if kind != "polygon":
+        return int(values[0]), values[1:5], kind
+    xs, ys = values[1::2], values[2::2]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    return int(values[0]), [(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], kind
 
 
 def _is_float(text: str) -> bool:
@@ -119,9 +133,10 @@ def _is_float(text: str) -> bool:
     return True
 
 
-def read_labels(path: Path, names: dict, width: int, height: int, problems: list) -> list[dict]:
+def read_labels(path: Path, names: dict, width: int, height: int, problems: list, pose: bool = False) -> list[dict]:
     """The boxes of one label file as COCO annotations (pixels; unclipped, as a COCO file would hold
-    them); each line that does not parse becomes a problem naming the file and line."""
+    them; "kind": box, polygon or pose, as `parse_label_line`); each line that does not parse becomes a
+    problem naming the file and line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:
@@ -132,7 +147,7 @@ def read_labels(path: Path, names: dict, width: int, height: int, problems: list
         if not line.strip():
             continue
         try:
-            category, (cx, cy, w, h) = parse_label_line(line.split(), names)
+            category, (cx, cy, w, h), kind = parse_label_line(line.split(), names, pose)
         except ValueError as error:
             problems.append(f"{path}, line {number}: {error}: {line.strip()!r}")
             continue
@@ -144,6 +159,7 @@ def read_labels(path: Path, names: dict, width: int, height: int, problems: list
                 "area": box[2] * box[3],
                 "iscrowd": 0,
                 "where": f"{path}, line {number}",
+                "kind": kind,
             }
         )
     return annotations
@@ -178,9 +194,18 @@ def read_yolo(path, split: str, skip_bad_images: bool = False, exif_orientation:
         if not labels.is_file():
             unlabelled.append(labels)
             continue
-        for annotation in read_labels(labels, names, width, height, parsed.problems):
+        for annotation in read_labels(labels, names, width, height, parsed.problems, "kpt_shape" in data):
             annotation.update(id=len(parsed.data["annotations"]) + 1, image_id=image_id)
             parsed.data["annotations"].append(annotation)
+    parsed.spellings = merge_classes(parsed.data)  # names that differ only in case: one class
+    read_as = Counter(a["kind"] for a in parsed.data["annotations"] if a["kind"] != "box")
+    if read_as["polygon"]:
+        parsed.notes.append(
+            f"{read_as['polygon']} label line(s) are segmentation polygons: each read as its bounding box "
+            "(as Ultralytics reads them)"
+        )
+    if read_as["pose"]:
+        parsed.notes.append(f"{read_as['pose']} label line(s) carry keypoints (kpt_shape): their boxes read")
     if unlabelled:
         parsed.notes.append(
             f"{len(unlabelled)} image(s) without a label file, so without boxes (as Ultralytics reads them): "

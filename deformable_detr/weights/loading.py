@@ -9,6 +9,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..config import CONFIGS_DIR, Config, load_config, model_overrides
+from ..data.classes import class_key
 from ..errors import UsageError
 from ..models import build_model
 from .files import WeightsFile, read_weights
@@ -94,9 +95,9 @@ def load_for_finetuning(model, path, class_names: dict) -> str:
     """Load weights of any number of classes into `model`, whose class heads are for `class_names`
     ({category id: name}, the training set's). Every tensor but the class heads must match the
     model by name and shape (an error names the first that does not). In every class head, the row
-    (weight and bias) of a category whose name equals, ignoring case, a category name recorded in
-    the file is copied from that category's row; every other row keeps the model's own
-    initialisation. Returns a one-line summary."""
+    (weight and bias) of a category whose name equals a category name recorded in the file (ignoring
+    case and surrounding space: `data.classes.class_key`) is copied from that category's row; every
+    other row keeps the model's own initialisation. Returns a one-line summary."""
     source = open_weights(path)
     weights, source_names = dict(source.tensors), source.class_names
     check_keys(model, weights, path, strict=True, any_class_count=True)
@@ -106,11 +107,11 @@ def load_for_finetuning(model, path, class_names: dict) -> str:
     source_ids = {}
     for category, name in sorted(source_names.items()):
         if category < source_classes:
-            source_ids.setdefault(name.casefold(), category)
+            source_ids.setdefault(class_key(name), category)
     carried = {
-        category: source_ids[name.casefold()]
+        category: source_ids[class_key(name)]
         for category, name in sorted(class_names.items())
-        if 0 <= category < num_classes and name.casefold() in source_ids
+        if 0 <= category < num_classes and class_key(name) in source_ids
     }
     targets, sources = np.array(list(carried), np.int32), np.array(list(carried.values()), np.int32)
     for key in (k for k in params if CLASS_HEAD.match(k)):
