@@ -23,7 +23,7 @@ from tqdm import tqdm
 from .cli import ArgumentParser, entry_point
 from .errors import UsageError
 from .inference.detector import Detections, Detector
-from .inference.inputs import VIDEO_SUFFIXES, displayed_size, find_inputs, open_image
+from .inference.inputs import VIDEO_SUFFIXES, displayed_size, find_inputs, opened_batches
 from .inference.visualize import draw_sampling_points, grid
 from .video import check_video_arguments, predict_video
 
@@ -112,21 +112,15 @@ def write_outputs(path: Path, image: Image.Image, result: Detections, args, laye
 
 def loaded_batches(paths: list[Path], batch_size: int, skip: bool, bar):
     """Batches of (path, image); an image that does not load stops the run, or with `skip` is named
-    and left out."""
-    batch = []
-    for path in paths:
-        try:
-            batch.append((path, open_image(path)))
-        except ValueError as error:
-            if not skip:
-                raise ValueError(f"{error}; --skip-unreadable leaves such images out") from None
-            bar.write(f"skipped: {error}")
-            bar.update()
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    and left out (its place filled by the next)."""
+
+    def unreadable(path, error):
+        if not skip:
+            raise type(error)(f"{error}; --skip-unreadable leaves such images out") from None
+        bar.write(f"skipped: {error}")
+        bar.update()
+
+    return opened_batches([(path, None) for path in paths], batch_size, unreadable)
 
 
 def predict_images(detector: Detector, paths: list[Path], args, layers: tuple):

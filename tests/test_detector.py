@@ -2,21 +2,28 @@
 (a folder, a single image with its sampling points) and eval.py's files; every kind of input gives the
 same detections, which are the model's own post-processed outputs at or above the threshold."""
 
+import dataclasses
+import io
 import json
+from pathlib import Path
 
 from deformable_detr import Detector
 from deformable_detr.data.loader import collate
 from deformable_detr.data.transforms import normalize, resize
+from deformable_detr.errors import UsageError
 from deformable_detr.models import post_process
 from deformable_detr.predict import main as predict_main
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from dataset_writers import write_yolo
 from PIL import Image
 from test_evaluate import trained  # noqa: F401  (the fixture: a tiny model trained a few epochs)
 
 import eval as eval_script
+
+CONFIGS = Path(__file__).parent.parent / "configs"
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +100,74 @@ def test_bad_input_is_named(detector, tmp_path):
         detector.predict(tmp_path / "broken.png")
     with pytest.raises(ValueError, match="export to 'onnx-ish': expected"):
         detector.export("onnx-ish", tmp_path / "out")
+
+
+def a_folder_with_unreadable_files(root, folder):
+    """folder/: 1.jpg and 3.png readable, 2.png not an image, 4.jpg a JPEG cut in half -> the readable two."""
+    folder.mkdir()
+    first, second = sorted((root / "val2017").iterdir())[:2]
+    good = [folder / "1.jpg", folder / "3.png"]
+    Image.open(first).save(good[0])
+    Image.open(second).save(good[1])
+    (folder / "2.png").write_bytes(b"\x89PNG truncated")
+    whole = io.BytesIO()
+    Image.open(second).convert("RGB").save(whole, "JPEG", quality=95)
+    (folder / "4.jpg").write_bytes(whole.getvalue()[: len(whole.getvalue()) // 2])
+    return good
+
+
+def test_skip_unreadable_returns_every_readable_image(trained, detector, tmp_path, monkeypatch):  # noqa: F811
+    root, _ = trained
+    good = a_folder_with_unreadable_files(root, tmp_path / "photos")
+    alone = detector.predict(good, threshold=0.02, batch_size=2)
+    forwards = []  # the images of each forward: the unreadable ones leave no gap in a batch
+    detect = detector.detect
+    monkeypatch.setattr(detector, "detect", lambda images, *rest: forwards.append(len(images)) or detect(images, *rest))
+    with pytest.warns(UserWarning) as warned:
+        results = detector.predict(tmp_path / "photos", threshold=0.02, batch_size=2, skip_unreadable=True)
+    assert forwards == [2]
+    assert [r.path for r in results] == good
+    for result, reference in zip(results, alone, strict=True):
+        assert len(result) > 0
+        np.testing.assert_array_equal(result.boxes, reference.boxes)
+        np.testing.assert_array_equal(result.scores, reference.scores)
+    broken, truncated = tmp_path / "photos" / "2.png", tmp_path / "photos" / "4.jpg"
+    assert [path for path, _ in results.skipped] == [broken, truncated]
+    assert results.skipped[0][1].startswith("cannot read image: not a format Pillow")
+    assert "truncated" in results.skipped[1][1]
+    assert [str(w.message) for w in warned] == [f"skipped: {path}: {reason}" for path, reason in results.skipped]
+    assert {w.filename for w in warned} == {__file__}  # the warning points at the caller's line
+
+
+def test_an_unreadable_image_stops_predict_without_skip(trained, detector, tmp_path):  # noqa: F811
+    root, _ = trained
+    a_folder_with_unreadable_files(root, tmp_path / "photos")
+    with pytest.raises(ValueError, match=r"2\.png: cannot read image: .*; skip_unreadable=True leaves such images out"):
+        detector.predict(tmp_path / "photos", batch_size=2)
+    assert detector.predict(tmp_path / "photos" / "1.jpg").skipped == []
+
+
+def test_evaluate_names_a_config_file_or_a_file_that_is_no_dataset(detector, tmp_path):
+    for config in (CONFIGS / "shapes.yaml", CONFIGS / "r50.yaml"):
+        with pytest.raises(UsageError) as stopped:
+            detector.evaluate(config)
+        message = str(stopped.value)
+        assert message.startswith(f"{config}: a config file, not a dataset; evaluate takes a dataset: a folder")
+        assert "\n" not in message
+    with pytest.raises(UsageError, match=r"^[^\n]*README\.md: a file, not a dataset; evaluate takes"):
+        detector.evaluate(CONFIGS / "README.md")
+
+
+def test_evaluate_takes_a_yolo_data_yaml(trained, detector, tmp_path):  # noqa: F811
+    root, _ = trained
+    data_yaml = write_yolo(root, tmp_path / "yolo") / "data.yaml"
+    with pytest.raises(UsageError, match=r"data\.yaml: a YAML file, but data\.dataset coco reads a folder; .*=yolo"):
+        detector.evaluate(data_yaml)
+    cfg = detector.cfg
+    yolo = Detector(
+        detector.model,
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset="yolo")),
+        detector.class_names,
+    )
+    stats = yolo.evaluate(data_yaml)
+    assert stats["AR100"] > 0 and stats == detector.evaluate(root)  # the same images and boxes: the same AP

@@ -3,6 +3,8 @@
     detector = Detector.load("output/shapes/checkpoint.safetensors")  # or hf://ORG/NAME, converted weights
     results = detector.predict("photos/", threshold=0.5)  # an image, array, path, folder, or a list of them
     results[0].boxes, results[0].scores, results[0].names, results[0].to_json()
+    results = detector.predict("photos/", skip_unreadable=True)  # unreadable files: warned of, left out
+    results.skipped  # [(path, reason)] of those
     detector.evaluate("data/coco")  # COCO AP, as eval.py
     detector.export("huggingface", "my-model")  # or "torch"
 
@@ -12,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,16 +26,21 @@ from PIL import Image
 from ..config import Config, config_to_dict, load_config
 from ..data import build_dataset, collate
 from ..data.classes import describe_match, match_classes
+from ..data.files import read_yaml
 from ..data.transforms import normalize, resize
 from ..deploy.mlxfn import export_mlx
 from ..deploy.onnx.export import export_onnx
+from ..errors import UsageError
 from ..models import post_process
 from ..weights import conversion
 from ..weights.loading import config_from_weights, load_trained_model
 from .attention_points import encoder_queries, in_pixels, recording
 from .evaluation import evaluate, evaluation_batch_size
-from .inputs import as_image, find_inputs, open_image
+from .inputs import as_image, find_inputs, open_image, opened_batches
 from .visualize import draw_detections, pr_curves
+
+CONFIG_SECTIONS = [section.name for section in dataclasses.fields(Config) if section.name != "seed"]
+FOLDER_DATASETS = {"coco", "shapes", "voc"}  # the built-in readers whose data.path is a folder
 
 
 @dataclass
@@ -83,6 +91,15 @@ class Detections:
         return draw_detections(image, {"scores": self.scores, "labels": self.labels, "boxes": self.boxes}, named, 0.0)
 
 
+class Predictions(list):
+    """What `Detector.predict` returns: a list of `Detections`, one per image read, in input order;
+    `skipped`: (path, reason) of each file left out as unreadable (`skip_unreadable=True`), in order."""
+
+    def __init__(self, results=(), skipped=()):
+        super().__init__(results)
+        self.skipped = list(skipped)
+
+
 class Detector:
     """A model in evaluation mode, its `cfg` and its `class_names` ({category id: name})."""
 
@@ -113,25 +130,33 @@ class Detector:
         attention: bool = False,
         attention_layer: int = -1,
         encoder_pixel: tuple | None = None,
-    ) -> list[Detections]:
+        skip_unreadable: bool = False,
+    ) -> "Predictions":
         """A result per image of `images`: a PIL image, an (H, W, 3) uint8 array, a path, a folder (its
         images), a glob, or a list of these; `batch_size` images a forward. `attention`: the sampling
         points and weights of decoder layer `attention_layer` for each detection; `encoder_pixel` (x, y):
-        where the last encoder layer's queries at that pixel look."""
+        where the last encoder layer's queries at that pixel look. A file that cannot be read (not an
+        image, truncated) raises, naming it; with `skip_unreadable`, each is named in a warning and left
+        out, and the result's `skipped` lists them: [(path, reason)]."""
         items = images if isinstance(images, (list, tuple)) else [images]
         sources = []  # (the file, or the image given)
         for item in items:
             is_path = isinstance(item, (str, Path))
             sources += [(path, None) for path in find_inputs([item])] if is_path else [(None, as_image(item))]
         decoder_layer = attention_layer if attention else None
-        results = []
-        for start in range(0, len(sources), batch_size):
-            batch = sources[start : start + batch_size]
-            opened = [image if image is not None else open_image(path) for path, image in batch]
-            for (path, _), image, found in zip(
-                batch, opened, self.detect(opened, decoder_layer, encoder_pixel), strict=True
-            ):
-                results.append(self._kept(found, threshold, image.size, path))
+        results = Predictions()
+
+        def unreadable(path, error):
+            if not skip_unreadable:
+                raise type(error)(f"{error}; skip_unreadable=True leaves such images out") from None
+            results.skipped.append((path, str(error).removeprefix(f"{path}: ")))
+            # stacklevel 4: past this function, opened_batches and predict, to the line that called predict
+            warnings.warn(f"skipped: {error}", stacklevel=4)
+
+        for batch in opened_batches(sources, batch_size, unreadable):
+            found = self.detect([image for _, image in batch], decoder_layer, encoder_pixel)
+            for (path, image), one in zip(batch, found, strict=True):
+                results.append(self._kept(one, threshold, image.size, path))
         return results
 
     def detect(self, images: list, decoder_layer: int | None = None, encoder_pixel=None) -> list[dict]:
@@ -170,10 +195,13 @@ class Detector:
         self, path=None, split: str = "val", batch_size: int | None = None, output_dir=None, verbose: bool = False
     ) -> dict:
         """COCO box AP on `split` of the config's dataset (`path`: its files elsewhere, as `data.path`:
-        a folder, or YOLO's data.yaml) -> what eval_results.json holds: the 12 numbers and "per_class".
-        The model's classes meet the dataset's by name (data/classes.py; the lines that say how go to
-        stderr). With `output_dir`, writes there eval_results.json, detections_{split}.json (COCO
-        results format) and pr_curves.png."""
+        a folder, or YOLO's data.yaml; a config file or another file is a UsageError) -> what
+        eval_results.json holds: the 12 numbers and "per_class". The model's classes meet the
+        dataset's by name (data/classes.py; the lines that say how go to stderr). With `output_dir`,
+        writes there eval_results.json, detections_{split}.json (COCO results format) and
+        pr_curves.png."""
+        if path is not None:
+            _check_dataset_path(Path(path), self.cfg.data.dataset)
         data = self.cfg.data if path is None else dataclasses.replace(self.cfg.data, path=str(path))
         dataset = build_dataset(split, data)
         class_map = match_classes(self.class_names, dataset.class_names())
@@ -209,6 +237,37 @@ class Detector:
                 weights, config_to_dict(self.cfg), self.class_names, Path(path), hf_backbone, source
             )
         raise ValueError(f"export to {to!r}: expected torch, huggingface, onnx or mlx")
+
+
+def _check_dataset_path(path: Path, dataset: str) -> None:
+    """`evaluate`'s `path` where it is a file no reader of the config's `dataset` takes (a config YAML,
+    a checkpoint, ...): a UsageError naming it, before a reader fails on it somewhere obscure."""
+    if not path.is_file():
+        return  # a folder, or nothing there: the dataset's reader names what it lacks
+    takes = "evaluate takes a dataset: a folder (COCO's annotations/ + val2017/, or VOC's) or YOLO's data.yaml"
+    is_yaml = path.suffix.lower() in (".yaml", ".yml")
+    if is_yaml and _is_config(path):
+        raise UsageError(
+            f"{path}: a config file, not a dataset; {takes} (a config is Detector.load's config, eval.py's --config)"
+        )
+    if is_yaml and dataset in FOLDER_DATASETS:
+        raise UsageError(
+            f"{path}: a YAML file, but data.dataset {dataset} reads a folder; YOLO's data.yaml takes data.dataset=yolo"
+        )
+    if dataset in FOLDER_DATASETS or (dataset == "yolo" and not is_yaml):
+        raise UsageError(f"{path}: a file, not a dataset; {takes}")
+
+
+def _is_config(path: Path) -> bool:
+    """Whether the YAML file holds a config: a section (model:, data:, ...) that is a mapping. A YOLO
+    data.yaml has `names`, and its `train`/`val` (`train` is also a config section) are paths."""
+    try:
+        content = read_yaml(path)
+    except ValueError:
+        return False  # not YAML: the reader says so
+    if not isinstance(content, dict) or "names" in content:
+        return False
+    return any(isinstance(content.get(section), dict) for section in CONFIG_SECTIONS)
 
 
 def _dataset_names(cfg: Config) -> dict:

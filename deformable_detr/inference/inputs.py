@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..data.images import IMAGE_SUFFIXES, ImageFile, as_displayed, read_image
+from ..data.images import IMAGE_SUFFIXES, ImageFile, UnreadableImageError, as_displayed, read_image
 from ..errors import UsageError
 
 VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}
@@ -38,6 +38,26 @@ def open_image(path: Path) -> Image.Image:
     """The image at `path` in RGB as a viewer shows it (EXIF orientation applied: `data/images.py`);
     FileNotFoundError or a ValueError (`UnreadableImageError`) naming it otherwise."""
     return read_image(path, "displayed")
+
+
+def opened_batches(sources: list, batch_size: int, unreadable):
+    """Batches of (path, image), in input order: each of `sources` (path, None) opened here, (None, image)
+    as given. A file that does not open goes to `unreadable(path, error)`, which raises to stop or
+    returns to leave it out; the next images fill its place, so every batch but the last is full."""
+    batch = []
+    for path, image in sources:
+        if image is None:
+            try:
+                image = open_image(path)
+            except (FileNotFoundError, UnreadableImageError) as error:
+                unreadable(path, error)
+                continue
+        batch.append((path, image))
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def displayed_size(path: Path) -> tuple[int, int]:
