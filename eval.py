@@ -5,8 +5,9 @@
 
 W is a training checkpoint (train.py) or converted weights (python -m deformable_detr.convert), or
 hf://ORG/NAME. The model's classes meet the dataset's by name. Prints pycocotools' 12-line summary;
-writes eval_results.json (AP, AP50, ..., ARl), detections_val.json (COCO results format) and
-pr_curves.png to --output-dir (default: beside the checkpoint). Built on `Detector.evaluate`.
+writes eval_results.json (AP, AP50, ..., ARl, per_class, and ground_truth: the boxes evaluated and those
+left out as training drops them), detections_val.json (COCO results format) and pr_curves.png to
+--output-dir (default: beside the checkpoint). Built on `Detector.evaluate`.
 """
 
 from pathlib import Path

@@ -23,6 +23,7 @@ from pathlib import Path
 from deformable_detr import build_model, load_config
 from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import DataLoader, build_dataset, num_classes_for
+from deformable_detr.data.ground_truth import dropped_line, split_summary, summary_lines
 from deformable_detr.errors import UsageError
 from deformable_detr.inference.evaluation import evaluate, evaluation_batch_size, per_class_table
 from deformable_detr.training.engine import Progress, fit
@@ -85,6 +86,8 @@ def evaluate_only(args, cfg, class_names: dict, run: RunDirectory):
         run.write_results(stats)
         run.print(per_class_table(stats))
         run.print(json.dumps({k: v for k, v in stats.items() if k != "per_class"}, indent=2))
+        if line := dropped_line(stats["ground_truth"]):
+            run.print(line)
 
 
 def check_settings(cfg, processes: int):
@@ -124,6 +127,7 @@ def train(args, cfg, group, train_set, run: RunDirectory, resume):
     if resume:
         run.print(f"resumed from {resume}: epoch {progress.epoch}, step {progress.step}")
     val = build_dataset("val", cfg.data) if run.is_main and cfg.train.eval_every else None
+    record_splits(run, {"train": train_set, "val": val})
     micro, share = trainer.micro_batch_size, cfg.schedule.batch_size // group.size()
     run.print(f"{cfg.schedule.batch_size} images a step: {group.size()} process(es) x {share // micro} of {micro}")
     loader = DataLoader(
@@ -142,7 +146,19 @@ def train(args, cfg, group, train_set, run: RunDirectory, resume):
             f"AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}: {run.path / 'eval_results.json'}; "
             f"pictures: {run.path / 'predictions.png'}, {run.path / 'curves.png'}"
         )
+        if line := dropped_line(stats["ground_truth"]):
+            run.print(line)
     run.print(f"done: {progress.global_step} steps; checkpoint {run.checkpoint}")
+
+
+def record_splits(run: RunDirectory, splits: dict):
+    """What each split (None: not used) holds, printed and as a log.jsonl record (`split_summary`)."""
+    for split, dataset in splits.items():
+        if dataset is not None and run.is_main:
+            summary = split_summary(dataset, split)
+            run.log(summary)
+            for line in summary_lines(summary):
+                run.print(line)
 
 
 if __name__ == "__main__":

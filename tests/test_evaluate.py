@@ -54,7 +54,7 @@ def test_eval_equals_pycocotools_on_the_detections_it_wrote(trained, tmp_path):
         ]
     )
     written = json.loads((tmp_path / "eval_results.json").read_text())
-    assert written == stats and list(written) == [*STAT_NAMES, "per_class"]
+    assert written == stats and list(written) == [*STAT_NAMES, "per_class", "ground_truth"]
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO(str(root / "annotations" / "instances_val2017.json"))
         evaluator = COCOeval(gt, gt.loadRes(str(tmp_path / "detections_val.json")), "bbox")
@@ -112,7 +112,7 @@ def test_predict_draws_and_names_bad_images(trained, tmp_path, capsys):
 def test_training_writes_eval_results_and_pictures(trained):
     _, output = trained
     stats = json.loads((output / "eval_results.json").read_text())
-    assert list(stats) == [*STAT_NAMES, "per_class"]
+    assert list(stats) == [*STAT_NAMES, "per_class", "ground_truth"]
     for picture in ("predictions.png", "curves.png", "pr_curves.png"):
         assert (output / picture).stat().st_size > 1000
 

@@ -25,6 +25,7 @@ from test_train import ROOT, TINY
 import eval as eval_script
 import train
 
+FOUR_FIELDS = "expected 5 fields 'class cx cy w h' or a polygon 'class x1 y1 x2 y2 x3 y3 ...', got 4: '0 0.5 0.5 0.2'"
 SIZES = dict(height=(48, 80), width=(56, 96), max_size=40)  # width != height: a swapped axis shows
 
 
@@ -200,7 +201,7 @@ def test_check_command_lists_every_problem_and_exits_1(sets, tmp_path):
     assert done.returncode == 1
     problems = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("problem:")]
     assert problems == [
-        f"problem: {first}, line {bad[0]}: expected 5 fields 'class cx cy w h' or a polygon 'class x1 y1 x2 y2 x3 y3 ...', got 4: '0 0.5 0.5 0.2'",
+        f"problem: {first}, line {bad[0]}: {FOUR_FIELDS}",
         f"problem: {second}, line {bad[1]}: class 9 is not one of the 5 names (0..4): '9 0.5 0.5 0.2 0.2'",
     ]
     assert done.stderr.strip().splitlines()[-1] == "error: 2 problem(s) found: train.py would stop at the first"
@@ -228,7 +229,7 @@ BAD_INPUTS = {  # kind, how, the message (after "error: ")
     "yolo line of 4 fields": (
         "yolo",
         lambda root: break_yolo_label(root, "0 0.5 0.5 0.2"),
-        "{path}, line {line}: expected 5 fields 'class cx cy w h' or a polygon 'class x1 y1 x2 y2 x3 y3 ...', got 4: '0 0.5 0.5 0.2'",
+        "{path}, line {line}: " + FOUR_FIELDS,
     ),
     "yolo value not a number": (
         "yolo",
@@ -315,9 +316,7 @@ def test_the_command_line_says_it_in_one_line_with_exit_1(sets, tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines() == [
-        f"error: {path}, line {line}: expected 5 fields 'class cx cy w h' or a polygon 'class x1 y1 x2 y2 x3 y3 ...', got 4: '0 0.5 0.5 0.2'"
-    ]
+    assert done.stderr.strip().splitlines() == [f"error: {path}, line {line}: {FOUR_FIELDS}"]
 
 
 @pytest.mark.parametrize("kind", ["yolo", "voc"])

@@ -24,6 +24,7 @@ from ..config import load_config
 from ..errors import CommandError
 from . import DATASETS, build_dataset
 from .coco import dropped_reason, recorded_size
+from .ground_truth import image_size
 from .images import ImageFile, UnreadableImageError
 from .loader import BadImageError
 
@@ -93,7 +94,7 @@ def count_boxes(dataset, report: Report):
             report.crowd += 1
             continue
         where = annotation.get("where") or f"{dataset.annotation_file}: annotation id {annotation.get('id')!r}"
-        reason = dropped_reason(box, image.get("width", float("inf")), image.get("height", float("inf")))
+        reason = dropped_reason(box, *image_size(dataset, image))  # as the evaluation's ground truth counts
         if reason:
             report.drop(reason, where)
         else:

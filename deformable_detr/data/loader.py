@@ -56,6 +56,7 @@ class DataLoader:
         if batch_size % (world_size * self.micro_batch_size):
             raise ValueError(f"a batch of {batch_size} does not split into {world_size} x {self.micro_batch_size}")
         self.skipped = 0
+        self.skipped_messages = []  # each skipped image's, until the one consuming them takes them
 
     def batches_per_epoch(self):
         """Steps per epoch."""
@@ -130,14 +131,21 @@ class DataLoader:
             time.sleep(0.01)
 
     def _received(self, element):
-        """A loaded micro-batch -> (images, mask, targets); its skipped images warned of, its error raised."""
+        """A loaded micro-batch -> (images, mask, targets); its skipped images warned of (and kept for
+        `take_skipped`), its error raised."""
         if len(element["error"]):
             kind, _, message = bytes(element["error"]).decode().partition(": ")
             raise (BadImageError if kind == "BadImageError" else RuntimeError)(message)
         for message in filter(None, bytes(element["skipped"]).decode().split("\n")):
             self.skipped += 1
+            self.skipped_messages.append(message)
             warnings.warn(f"skipping {message}", stacklevel=3)
         return _unpack(element)
+
+    def take_skipped(self) -> list[str]:
+        """The messages of the images skipped since the last call (each naming the file), for a log."""
+        taken, self.skipped_messages = self.skipped_messages, []
+        return taken
 
 
 def _in_order(stream):

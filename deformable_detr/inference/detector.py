@@ -196,7 +196,8 @@ class Detector:
     ) -> dict:
         """COCO box AP on `split` of the config's dataset (`path`: its files elsewhere, as `data.path`:
         a folder, or YOLO's data.yaml; a config file or another file is a UsageError) -> what
-        eval_results.json holds: the 12 numbers and "per_class". The model's classes meet the
+        eval_results.json holds: the 12 numbers, "per_class" and "ground_truth" (the boxes evaluated,
+        crowd, and left out as training drops them: data/ground_truth.py). The model's classes meet the
         dataset's by name (data/classes.py; the lines that say how go to stderr). With `output_dir`,
         writes there eval_results.json, detections_{split}.json (COCO results format) and
         pr_curves.png."""

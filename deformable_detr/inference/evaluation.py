@@ -1,5 +1,6 @@
 """COCO box AP of a model on a COCO-format split, with pycocotools or faster-coco-eval
-(`evaluation_backends.py`): `evaluate`, for training and eval.py alike, overall and per category."""
+(`evaluation_backends.py`): `evaluate`, for training and eval.py alike, overall and per category,
+against the ground truth training keeps (`data/ground_truth.py`: without the boxes it drops)."""
 
 import contextlib
 import io
@@ -11,6 +12,7 @@ from tqdm import tqdm
 
 from ..data import DataLoader
 from ..data.classes import to_dataset_classes
+from ..data.ground_truth import box_counts, dropped_line, evaluation_ground_truth
 from ..models import post_process
 from .evaluation_backends import resolve_backend, run_cocoeval
 
@@ -20,7 +22,9 @@ PER_CLASS_NAMES = ["AP", "AP50", "AP75", "APs", "APm", "APl"]  # pycocotools' fi
 
 @dataclass
 class Evaluation:
-    stats: dict  # STAT_NAMES, and "per_class": {category name: PER_CLASS_NAMES and "gt", the boxes}
+    # STAT_NAMES, "per_class": {category name: PER_CLASS_NAMES and "gt", the boxes}, and "ground_truth":
+    # {"boxes": positives, "crowd": n, "dropped": {reason: boxes left out, as training drops them}}
+    stats: dict
     detections: list  # COCO's results format
     curves: dict  # {category name: precision at 101 recalls, IoU 0.5, -1 where undefined}
 
@@ -40,8 +44,19 @@ def evaluate(
     training = model.training
     detections = to_dataset_classes(predict_detections(model, dataset, batch_size, num_workers), class_map)
     model.train(training)
-    evaluator = coco_evaluator(dataset.coco, detections, verbose, backend)
-    return Evaluation(summary(evaluator, dataset.coco), detections, precision_at_50(evaluator, dataset.coco))
+    return score_detections(dataset, detections, verbose, backend)
+
+
+def score_detections(dataset, detections: list, verbose: bool = False, backend: str = "auto") -> Evaluation:
+    """COCO AP of `detections` (COCO's results format, the dataset's category ids) on `dataset`'s
+    ground truth without the boxes training drops; `verbose` prints a line where it dropped any, and
+    pycocotools' summary."""
+    coco_gt, counts = evaluation_ground_truth(dataset), box_counts(dataset).as_record()
+    if verbose and (line := dropped_line(counts)):
+        print(line)
+    evaluator = coco_evaluator(coco_gt, detections, verbose, backend)
+    stats = {**summary(evaluator, coco_gt), "ground_truth": counts}
+    return Evaluation(stats, detections, precision_at_50(evaluator, coco_gt))
 
 
 def evaluation_batch_size(cfg) -> int:

@@ -6,7 +6,8 @@ stops it:
   a checkpoint with the progress, one line, exit status 128 + the signal's number (130, 143). A
   second signal stops inside the step, without writing a checkpoint.
 - an image that cannot be read (`data.skip_bad_images=false`): a checkpoint with the progress (that
-  batch not taken), one line naming the image and the way on.
+  batch not taken), one line naming the image and the way on. (With `data.skip_bad_images=true` it
+  is left out: a warning, and a log record {"skipped_image": message, "epoch", "global_step"}.)
 - a non-finite loss, running out of memory, or anything else: one line (anything else: its
   traceback in log.jsonl); no checkpoint is written, so the last one stays as it was.
 In every case the data loader's threads are stopped first, so the process exits normally.
@@ -101,6 +102,7 @@ def train_one_epoch(trainer: Trainer, loader, run: RunDirectory, progress: Progr
     )
     with bar, contextlib.closing(loader.epoch(progress.epoch, progress.step)) as batches:
         for micro_batches in batches:
+            log_skipped_images(loader, run, progress)
             with signals.deferred():
                 record = train_step(trainer, micro_batches, run, progress)
                 if progress.global_step % cfg.train.log_every == 0:
@@ -113,6 +115,14 @@ def train_one_epoch(trainer: Trainer, loader, run: RunDirectory, progress: Progr
                 run.save(trainer, progress)
             if progress.global_step >= (cfg.train.max_steps or math.inf):
                 break
+    log_skipped_images(loader, run, progress)  # those of a last step whose every image was skipped
+
+
+def log_skipped_images(loader, run: RunDirectory, progress: Progress):
+    """A log record for each image the loader skipped (data.skip_bad_images) since the last step:
+    `global_step` is the step whose batch it was left out of."""
+    for message in loader.take_skipped():
+        run.log({"skipped_image": message, "epoch": progress.epoch, "global_step": progress.global_step + 1})
 
 
 def train_step(trainer: Trainer, micro_batches: list, run: RunDirectory, progress: Progress) -> dict:

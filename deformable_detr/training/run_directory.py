@@ -2,7 +2,8 @@
 owns it for the run's life (`run_lock.py`: .lock):
 
 config.yaml             the resolved config
-log.jsonl               a JSON record per step, per epoch and per evaluation
+log.jsonl               a JSON record per step, per epoch and per evaluation; at each start one per
+                        split (train.py: images, boxes, what was dropped), and one per bad image skipped
 checkpoint.safetensors  the model, optimizer state and progress (`weights/checkpoint.py`)
 checkpoint_best.safetensors   the same, as it was after the evaluation of highest AP
 eval_results.json, predictions.png, curves.png, pr_curves.png   at the end
