@@ -1,6 +1,11 @@
 """Configuration: dataclass defaults (the authors' `main.py` defaults), overridden by a YAML file,
 overridden by `section.key=value` strings. An unknown key is an error that names it and the nearest
-known key."""
+known key.
+
+A config file is a path, or the name of a config shipped in the package (`r50`, `shapes`, ...:
+`deformable_detr/configs/`, which a checkout's `configs/` links to), so `--config shapes` works in
+any folder. Relative paths inside a config (`data.path`, `data.coco_path`) are relative to the
+current directory, where the command runs (as the quick start's `data/shapes`), not to the file."""
 
 import dataclasses
 import difflib
@@ -11,7 +16,7 @@ import yaml
 
 from .errors import UsageError
 
-CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # the shipped configs (a checkout's configs/ links here)
 
 
 @dataclass
@@ -113,7 +118,7 @@ class TrainConfig:
     # stop after this many evaluations without a higher val AP (0: never)
     early_stop_patience: int = field(default=0, metadata={"range": (0, 1 << 31)})
     # TensorBoard event files under <run>/tensorboard/: the step records' scalars, each evaluation's
-    # AP and pictures (needs the tensorboard package: pip install -e ".[tensorboard]")
+    # AP and pictures (needs the tensorboard package: the tensorboard extra)
     tensorboard: bool = False
 
 
@@ -160,9 +165,25 @@ def load_config(path=None, overrides=(), base: dict | None = None, base_source: 
     return cfg
 
 
+def shipped_configs() -> list[str]:
+    """The names of the configs shipped in the package."""
+    return sorted(path.stem for path in CONFIGS_DIR.glob("*.yaml"))
+
+
+def config_file(name_or_path) -> Path:
+    """The YAML file a `--config` names: a file there, else the shipped config of that name (`r50`,
+    `shapes.yaml`); else a UsageError listing them."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = CONFIGS_DIR / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
+    if path.parent == Path(".") and shipped.is_file():
+        return shipped
+    raise UsageError(f"config file not found: {path} (a path, or a shipped config: {', '.join(shipped_configs())})")
+
+
 def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise UsageError(f"config file not found: {path}")
+    path = config_file(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:

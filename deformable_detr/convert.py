@@ -14,7 +14,7 @@ SRC is one of
 Every key is mapped or refused: an unknown or missing key is an error naming it. Tied keys (the
 authors repeat a shared head under several names) are checked equal and stored once. `.pth` files
 are read with `torch.load(weights_only=True)`, allowing only `argparse.Namespace` beyond tensors.
-torch is needed only for `.pth` / `.bin` input (`pip install -e ".[convert]"`).
+torch is needed only for `.pth` / `.bin` input (the `convert` extra).
 """
 
 from pathlib import Path

@@ -3,7 +3,16 @@
 - `UsageError`: what the user typed is wrong (an argument, a config file, key or value): exit 2;
 - `CommandError`: a failure of the work, with its exit status (1, or 128 + a signal's number);
 - `ConversionError`: weights that cannot be converted; the message names the file and key;
-- `WriteError`: a file that could not be written, named with the system's reason (exit 1)."""
+- `WriteError`: a file that could not be written, named with the system's reason (exit 1).
+
+`install_hint(extra)` is the pip command that installs an extra where the package runs from."""
+
+import os
+import re
+from pathlib import Path
+
+DISTRIBUTION = "deformable-detr-mlx"
+PACKAGE_DIR = Path(__file__).resolve().parent  # deformable_detr/: a checkout's pyproject.toml is beside it
 
 
 class CommandError(Exception):
@@ -33,3 +42,45 @@ class WriteError(CommandError):
     def __init__(self, path, reason: str):
         super().__init__(f"{path}: cannot write it: {reason}")
         self.path, self.reason = path, reason
+
+
+def install_hint(extra: str, package_dir: Path | None = None) -> str:
+    """The pip command that installs `extra` where the package (in `package_dir`, default this one)
+    runs from: in a source checkout (an editable install, or the repository on sys.path) `pip install -e`
+    of it, by its path unless it is the current directory; else the distribution's extra from the index,
+    as `pip install -e ".[extra]"` fails outside a checkout ("does not appear to be a Python project")."""
+    checkout = source_checkout(package_dir)
+    if checkout is None:
+        return f'pip install "{DISTRIBUTION}[{extra}]"'
+    where = "." if _is_cwd(checkout) else checkout  # "." only works from the checkout itself
+    return f'pip install -e "{where}[{extra}]"'
+
+
+def source_checkout(package_dir: Path | None = None) -> Path | None:
+    """The folder above `package_dir` (default this package's) where its pyproject.toml is this
+    project's, else None."""
+    root = Path(package_dir or PACKAGE_DIR).parent
+    return root if _project_name(root / "pyproject.toml") == DISTRIBUTION else None
+
+
+def _project_name(pyproject: Path) -> str | None:
+    """The [project] table's name in `pyproject`, or None (no such file or name). A line scan, not
+    tomllib: that is Python 3.11+, and the package supports 3.10."""
+    try:
+        lines = pyproject.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    table = None
+    for line in lines:
+        if line.startswith("["):
+            table = line.split("#")[0].strip()
+        elif table == "[project]" and (name := re.match(r"""name\s*=\s*["']([^"']+)["']""", line)):
+            return name.group(1)
+    return None
+
+
+def _is_cwd(folder: Path) -> bool:
+    try:
+        return os.path.samefile(folder, os.getcwd())
+    except OSError:  # the current directory was deleted
+        return False

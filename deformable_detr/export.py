@@ -18,7 +18,7 @@ convolutions OIHW, and the tied keys restored (without box refinement one `class
 `bbox_embed` repeated for every decoder layer; the decoder's references to the top-level heads with
 refinement or two-stage). `args` holds the model options the keys cannot show (heads, points, DC5),
 from the checkpoint's config or `--config`. Before writing, the export converts its own result back
-and checks that every tensor comes back unchanged. Needs PyTorch (`pip install -e ".[convert]"`).
+and checks that every tensor comes back unchanged. Needs PyTorch (the `convert` extra).
 Built on `Detector.export`.
 """
 

@@ -1,5 +1,5 @@
 """Videos through `predict`, frame by frame (`Detector.predict`): an annotated video and the detections
-of every frame. Needs PyAV (`pip install -e ".[video]"`)."""
+of every frame. Needs PyAV (the `video` extra)."""
 
 import json
 import time
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .errors import CommandError, UsageError
+from .errors import CommandError, UsageError, install_hint
 
 
 def _av():
@@ -15,7 +15,7 @@ def _av():
         import av
     except ImportError:
         raise CommandError(
-            'videos need PyAV, the "video" extra: pip install -e ".[video]" (or pip install av)'
+            f'videos need PyAV, the "video" extra: {install_hint("video")} (or pip install av)'
         ) from None
     return av
 

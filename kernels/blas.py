@@ -8,7 +8,7 @@ loaded after cannot. So `set_up()` loads the chosen BLAS where MLX is not import
 is, says once (a warning) which BLAS MLX runs and how to get the fast one.
 
 Which: DEFORMABLE_DETR_BLAS=auto|openblas|mkl|bundled.
-- `auto` (the default): MKL on Intel CPUs where it is installed (`pip install -e ".[mkl]"`), else
+- `auto` (the default): MKL on Intel CPUs where it is installed (the `mkl` extra), else
   OpenBLAS (`scipy-openblas32`, installed on Linux x86-64), else MLX's own. On AMD CPUs MKL runs its
   generic kernels: the model's products took it 1.3-1.6x OpenBLAS's time on an AMD EPYC (AVX-512);
   on Intel: bench/README.md#which-blas;

@@ -1,11 +1,11 @@
-"""`python -m deformable_detr.data.check`: every image decoded as training decodes it (a truncated
+"""`python -m deformable_detr.check`: every image decoded as training decodes it (a truncated
 file stops training, so it is a problem; `--headers-only` cannot see it), and the notes that do not
 stop training (orphan annotations, images listed twice, EXIF-turned images and their frame, recorded
 sizes that disagree, classes without boxes, merged spellings), each asserted on the printed lines."""
 
 import json
 
-from deformable_detr.data.check import main
+from deformable_detr.check import main
 
 import numpy as np
 import pytest
@@ -97,7 +97,7 @@ def test_a_truncated_jpeg_is_found_by_decoding_not_by_headers(coco, capsys):
     assert len(problems(lines)) == 1
     assert problems(lines)[0].startswith(f"{path}: cannot read image: image file is truncated")
     assert problems(lines)[0].endswith("(image id 2; data.skip_bad_images=true skips it)")
-    assert error == "error: 1 problem(s) found: train.py would stop at the first"
+    assert error == "error: 1 problem(s) found: training would stop at the first"
 
     status, lines, _ = check(capsys, root, "--headers-only")
     assert status == 0 and problems(lines) == [] and lines[-1] == "no problems found"

@@ -1,7 +1,7 @@
 """Datasets in YOLO and Pascal VOC layouts: a shapes set written again in each (dataset_writers.py) reads
 back to the COCO JSON loader's targets and ground truth; each trains two steps and evaluates; a model
 meets their classes by name; every unreadable input stops before training in one line naming the file
-and line; `python -m deformable_detr.data.check` counts and lists, with its exit status."""
+and line; `python -m deformable_detr.check` counts and lists, with its exit status."""
 
 import json
 import os
@@ -170,7 +170,7 @@ def test_boxes_training_drops_are_dropped_and_counted(sets, tmp_path):
 
 
 def check_command(*overrides):
-    command = [sys.executable, "-m", "deformable_detr.data.check", "--config", str(TINY), *overrides]
+    command = [sys.executable, "-m", "deformable_detr.check", "--config", str(TINY), *overrides]
     return subprocess.run(
         command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
@@ -204,7 +204,7 @@ def test_check_command_lists_every_problem_and_exits_1(sets, tmp_path):
         f"problem: {first}, line {bad[0]}: {FOUR_FIELDS}",
         f"problem: {second}, line {bad[1]}: class 9 is not one of the 5 names (0..4): '9 0.5 0.5 0.2 0.2'",
     ]
-    assert done.stderr.strip().splitlines()[-1] == "error: 2 problem(s) found: train.py would stop at the first"
+    assert done.stderr.strip().splitlines()[-1] == "error: 2 problem(s) found: training would stop at the first"
 
 
 def break_yolo_label(root, line):

@@ -12,6 +12,7 @@ import socket
 
 from deformable_detr.errors import CommandError
 from deformable_detr.training import run_lock
+from deformable_detr.training.run_directory import RESUME_HERE
 from deformable_detr.training.run_lock import RunLock
 
 import mlx.core as mx
@@ -181,7 +182,7 @@ def test_resume_without_a_path_and_overwrite_is_a_usage_error(shapes, tmp_path):
 )
 def test_resume_takes_a_path_or_none_before_the_overrides(argv, resume, overrides):
     args = train.parse_args(["--config", str(TINY), *argv])
-    assert args.resume == (train.RESUME_HERE if resume == "RESUME_HERE" else resume)
+    assert args.resume == (RESUME_HERE if resume == "RESUME_HERE" else resume)
     assert args.overrides == overrides
 
 

@@ -17,7 +17,7 @@ only for this:
 `CocoDetection` (`coco.py`) reads any set in COCO's layout, `yolo.py` and `voc.py` read YOLO's and
 Pascal VOC's into COCO's format in memory (`in_memory.py`); `register_dataset` adds another kind.
 Where a set is: `data.path` ('' : `data.coco_path`). The built-in readers check every annotation
-before anything trains (`strict`; `python -m deformable_detr.data.check` lists every problem).
+before anything trains (`strict`; `python -m deformable_detr.check` lists every problem).
 """
 
 from pathlib import Path

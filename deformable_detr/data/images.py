@@ -1,4 +1,4 @@
-"""The one image reader: every dataset, `data.check`, `predict`, `Detector` and evaluation open image
+"""The one image reader: every dataset, `deformable_detr.check`, `predict`, `Detector` and evaluation open image
 files here, so a file is read the same way everywhere.
 
     header = ImageFile(path)                      # the header only: format, size, EXIF orientation
@@ -46,6 +46,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageCms, UnidentifiedImageError
 
+from ..errors import install_hint
+
 ORIENTATION_TAG = 0x0112
 # EXIF orientation -> the transposition that shows the stored pixels as a viewer does (as
 # PIL.ImageOps.exif_transpose)
@@ -63,7 +65,6 @@ IMAGE_SUFFIXES = {".bmp", ".gif", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tif
 FRAMES = ("auto", "displayed", "stored")  # data.exif_orientation
 HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1"}
 AVIF_BRANDS = {b"avif", b"avis"}
-HEIF_INSTALL = 'pip install -e ".[heif]"'
 BACKGROUND = (255, 255, 255)  # what transparent pixels are composited over
 
 
@@ -100,9 +101,13 @@ def _brand(path: Path) -> bytes:
 def _unidentified(path: Path) -> UnreadableImageError:
     brand = _brand(path)
     if brand in HEIF_BRANDS and not HEIF_READABLE:
-        return UnreadableImageError(f"{path}: a HEIC/HEIF image: reading it takes the heif extra ({HEIF_INSTALL})")
+        return UnreadableImageError(
+            f"{path}: a HEIC/HEIF image: reading it takes the heif extra ({install_hint('heif')})"
+        )
     if brand in AVIF_BRANDS:
-        return UnreadableImageError(f"{path}: an AVIF image this Pillow cannot decode ({HEIF_INSTALL} reads it)")
+        return UnreadableImageError(
+            f"{path}: an AVIF image this Pillow cannot decode ({install_hint('heif')} reads it)"
+        )
     return UnreadableImageError(f"{path}: cannot read image: not a format Pillow (or an installed plugin) identifies")
 
 

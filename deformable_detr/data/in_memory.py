@@ -17,7 +17,7 @@ class ParsedSplit:
     height), `annotations` (id, image_id, category_id, bbox x, y, width, height in pixels, area,
     iscrowd: 1 for what is evaluated but not trained on, VOC's `difficult`), `categories` (id, name).
     `problems`: one line each, naming the file (and line), what stops training (the first is raised);
-    `notes`: what `data.check` prints but does not stop (images without labels, images left out)."""
+    `notes`: what `deformable_detr.check` prints but does not stop (images without labels, images left out)."""
 
     split: str  # "train" or "val"
     source: Path  # what messages name: the annotation file, data.yaml, the image list

@@ -1,11 +1,11 @@
 """COCO box AP's two implementations: pycocotools (the reference, pure Python per image) and
 faster-coco-eval (the same algorithm with its per-image matching and accumulation in C++: the same
 12 numbers and precision array, several times faster; bench/evaluation.py measures both).
-`evaluation.backend: auto` takes faster-coco-eval where it is installed (`pip install -e ".[fast-eval]"`)."""
+`evaluation.backend: auto` takes faster-coco-eval where it is installed (the `fast-eval` extra)."""
 
 import importlib.util
 
-from ..errors import UsageError
+from ..errors import UsageError, install_hint
 
 BACKENDS = ("pycocotools", "faster_coco_eval")
 
@@ -19,7 +19,7 @@ def resolve_backend(name: str = "auto") -> str:
         raise UsageError(f"evaluation.backend must be one of auto, {', '.join(BACKENDS)}, got {name!r}")
     if name == "faster_coco_eval" and not installed:
         raise UsageError(
-            "evaluation.backend faster_coco_eval: not installed (pip install faster-coco-eval, or use auto)"
+            f"evaluation.backend faster_coco_eval: not installed ({install_hint('fast-eval')}, or use auto)"
         )
     return name
 

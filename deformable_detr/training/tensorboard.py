@@ -3,8 +3,8 @@ records' scalars (`train/`: losses, lr, gradient norm, images/s) at their global
 evaluation's, its AP, AP50, ... (`val/`), each category's AP (`val_AP_per_class/`) and pictures (the
 first val images' predictions, the PR curves). `tensorboard --logdir output` shows them.
 
-Written by the `tensorboard` package's own event writer (`pip install -e ".[tensorboard]"`: the one
-that shows them): tensorboardX imports PyTorch where it is installed, which this package never does
+Written by the `tensorboard` package's own event writer (the `tensorboard` extra: the one that shows
+them): tensorboardX imports PyTorch where it is installed, which this package never does
 at run time. A resumed run starts its file with TensorBoard's restart mark at the step after its
 checkpoint, so that the steps an earlier process wrote past it (killed after its last checkpoint)
 are dropped and each step shows once."""
@@ -14,9 +14,7 @@ import time
 
 from PIL import Image
 
-from ..errors import CommandError
-
-INSTALL = 'pip install -e ".[tensorboard]"'
+from ..errors import CommandError, install_hint
 
 
 def require_tensorboard():
@@ -24,7 +22,9 @@ def require_tensorboard():
     try:
         import tensorboard.summary.writer.event_file_writer  # noqa: F401
     except ImportError:
-        raise CommandError(f"train.tensorboard: true needs the tensorboard package: {INSTALL}") from None
+        raise CommandError(
+            f"train.tensorboard: true needs the tensorboard package: {install_hint('tensorboard')}"
+        ) from None
 
 
 class TensorBoard:

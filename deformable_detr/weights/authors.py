@@ -4,7 +4,7 @@
 checked equal (shared heads without refinement; the decoder's references to the top-level heads),
 `num_batches_tracked` dropped, convolutions OIHW -> OHWI. `to_authors` is its inverse. Both on numpy
 arrays; `.pth` files are read with `torch.load(weights_only=True)`, allowing only `argparse.Namespace`
-beyond tensors (torch is needed for them alone: `pip install -e ".[convert]"`)."""
+beyond tensors (torch is needed for them alone: the `convert` extra)."""
 
 import argparse
 import re
@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import ConversionError
+from ..errors import ConversionError, install_hint
 from .files import open_safetensors
 
 # ModelConfig fields -> the authors' argparse names, for the args they read to build the model.
@@ -60,7 +60,7 @@ def _read_torch(path: Path) -> tuple[dict, dict]:
         import torch
     except ImportError:
         raise ConversionError(
-            f"{path}: reading .pth / .bin files needs PyTorch; install it with pip install -e '.[convert]'"
+            f"{path}: reading .pth / .bin files needs PyTorch; install it with {install_hint('convert')}"
         ) from None
     import pickle
     import zipfile

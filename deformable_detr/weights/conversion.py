@@ -10,7 +10,7 @@ import numpy as np
 
 from ..config import CONFIGS_DIR, load_config, model_overrides
 from ..data.coco import COCO_CATEGORY_NAMES
-from ..errors import ConversionError
+from ..errors import ConversionError, install_hint
 from ..models import build_model
 from ..models.backbone import Backbone
 from . import huggingface
@@ -100,7 +100,7 @@ def export_torch(weights: dict, model_config: dict, dst: Path, source="the model
         import torch
     except ImportError:
         raise ConversionError(
-            "exporting to PyTorch needs PyTorch; install it with pip install -e '.[convert]'"
+            f"exporting to PyTorch needs PyTorch; install it with {install_hint('convert')}"
         ) from None
     state = to_authors(weights)
     _check_round_trip(sanitize(state, source=str(source)), weights, source)

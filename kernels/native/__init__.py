@@ -15,17 +15,21 @@ import mlx.core as mx
 
 from ..export import exporting
 
+# Right from a wheel and from a checkout alike: `kernels` sits below deformable_detr and does not ask
+# which it runs from (deformable_detr.errors.install_hint does), and `pip install -e .` works only in a checkout.
+REBUILD = "reinstalling the package builds it (in a source checkout: pip install -e .)"
+
 
 @cache
 def _load():
     try:
         module = importlib.import_module("kernels._native")
     except ImportError as error:
-        return None, f"the C++ extension kernels._native is not built ({error}; `pip install -e .` builds it)"
+        return None, f"the C++ extension kernels._native is not built ({error}): {REBUILD}"
     if module.mlx_version != mx.__version__:
         return None, (
             f"kernels._native was built against MLX {module.mlx_version}, and MLX {mx.__version__} is installed: "
-            "reinstall the package (`pip install -e .`)"
+            f"{REBUILD}"
         )
     return module, None
 

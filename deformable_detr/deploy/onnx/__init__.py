@@ -3,4 +3,4 @@
 
 `builder.py` writes graphs; `backbone.py`, `encoding.py`, `attention.py`, `transformer.py`,
 `proposals.py` and `detector.py` mirror the MLX model's parts; `export.py` takes a model, writes
-the file and checks it with onnxruntime. Needs the `onnx` extra (`pip install -e ".[onnx]"`)."""
+the file and checks it with onnxruntime. Needs the `onnx` extra."""

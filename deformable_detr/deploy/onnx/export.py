@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...errors import CommandError, UsageError
+from ...errors import CommandError, UsageError, install_hint
 from ...weights.files import atomic_write
 from ..check import TOLERANCE, check_canvas, differences
 
@@ -17,7 +17,7 @@ def require(module: str):
     try:
         return __import__(module)
     except ImportError:
-        raise CommandError(f'exporting to ONNX needs the {module} package: pip install -e ".[onnx]"') from None
+        raise CommandError(f"exporting to ONNX needs the {module} package: {install_hint('onnx')}") from None
 
 
 def check_options(cfg, weights: dict, canvas: tuple, batch: int, sampler: str):
@@ -59,7 +59,7 @@ def export_onnx(model, cfg, dst: Path, size=None, batch_size: int = 1, postproce
         try:
             import onnxruntime  # noqa: F401
         except ImportError:
-            checked = 'not run: onnxruntime is not installed (pip install -e ".[onnx]")'
+            checked = f"not run: onnxruntime is not installed ({install_hint('onnx')})"
         else:
             worst, checked = compare(tmp, model, canvas, postprocess)
             if not worst <= TOLERANCE:

@@ -6,7 +6,7 @@ Notes, which do not stop training: annotations of no listed image, images listed
 other than the image's, EXIF-turned images and the frame each is read in, classes without boxes, class
 names merged from several spellings.
 
-    python -m deformable_detr.data.check --config CFG [--headers-only] [section.key=value ...]
+    python -m deformable_detr.check --config CFG [--headers-only] [section.key=value ...]
 
 Exit status 1 when a problem would stop training (train.py stops at the first), else 0."""
 
@@ -19,14 +19,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..cli import ArgumentParser, entry_point
-from ..config import load_config
-from ..errors import CommandError
-from . import DATASETS, build_dataset
-from .coco import dropped_reason, recorded_size
-from .ground_truth import image_size
-from .images import ImageFile, UnreadableImageError
-from .loader import BadImageError
+from .cli import ArgumentParser, entry_point
+from .config import load_config
+from .data import DATASETS, build_dataset, data_path
+from .data.coco import dropped_reason, recorded_size
+from .data.ground_truth import image_size
+from .data.images import ImageFile, UnreadableImageError
+from .data.loader import BadImageError
+from .errors import CommandError
 
 BUILT_IN = ("coco", "shapes", "yolo", "voc")  # their builders take strict=False: every problem kept
 SPLITS = ("train", "val")
@@ -289,22 +289,27 @@ def print_report(split: str, dataset, report: Report):
 
 @entry_point
 def main(argv=None):
-    parser = ArgumentParser(prog="python -m deformable_detr.data.check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a YAML file of configs/")
+    parser = ArgumentParser(prog="python -m deformable_detr.check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a YAML file, or a shipped config's name (r50, shapes, ...)")
     parser.add_argument(
         "--headers-only", action="store_true", help="read image headers only (fast; misses truncated image data)"
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value, as for train.py (e.g. data.path=...)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    print(f"data.dataset {cfg.data.dataset}, at {cfg.data.path or cfg.data.coco_path}")
+    print(f"data.dataset {cfg.data.dataset}, at {data_path(cfg.data)}")
+    if cfg.data.dataset == "shapes" and not (Path(data_path(cfg.data)) / "annotations").exists():
+        print(
+            f"the shapes set is generated where it is absent, as training does: generating it in {data_path(cfg.data)}"
+        )
+        build_dataset("train", cfg.data, prepare=True)
     problems = 0
     for split in SPLITS:
         dataset, report = check_split(split, cfg.data, decode=not args.headers_only)
         print_report(split, dataset, report)
         problems += len(report.problems)
     if problems:
-        raise CommandError(f"{problems} problem(s) found: train.py would stop at the first")
+        raise CommandError(f"{problems} problem(s) found: training would stop at the first")
     print("no problems found")
 
 

@@ -1,0 +1,60 @@
+"""Evaluate a checkpoint on the val split with pycocotools (COCO box AP).
+
+    deformable-detr eval --checkpoint W [--config C] [--data-path P] [--batch-size N] [--output-dir D]
+                         [section.key=value ...]
+
+(also `python -m deformable_detr.eval`, or a checkout's `python eval.py`).
+
+W is a training checkpoint (train.py) or converted weights (python -m deformable_detr.convert), or
+hf://ORG/NAME. The model's classes meet the dataset's by name. Prints pycocotools' 12-line summary;
+writes eval_results.json (AP, AP50, ..., ARl, per_class, and ground_truth: the boxes evaluated and those
+left out as training drops them), detections_val.json (COCO results format) and pr_curves.png to
+--output-dir (default: beside the checkpoint). Built on `Detector.evaluate`.
+"""
+
+from pathlib import Path
+
+from .cli import ArgumentParser, entry_point
+from .inference.detector import Detector
+from .inference.evaluation import per_class_table
+from .weights.hub import is_hub, parse
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--config", help="default: the config the weights record (a checkpoint's, or converted weights')"
+    )
+    parser.add_argument("--checkpoint", required=True, help="a weights file, or hf://ORG/NAME[@REVISION] on the Hub")
+    parser.add_argument(
+        "--data-path", "--coco-path", help="where the dataset is (data.path: a folder, or YOLO's data.yaml)"
+    )
+    parser.add_argument("--batch-size", type=int, help="default: schedule.micro_batch_size (2 where it is auto)")
+    parser.add_argument("--output-dir", type=Path)
+    parser.add_argument(
+        "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value, as for train.py")
+    return parser.parse_args(argv)
+
+
+def default_output_dir(checkpoint: str) -> Path:
+    """Beside the checkpoint; for weights from the Hub, output/ORG--NAME."""
+    return Path("output") / parse(checkpoint)[0].replace("/", "--") if is_hub(checkpoint) else Path(checkpoint).parent
+
+
+@entry_point
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    detector = Detector.load(args.checkpoint, args.config, args.overrides, raw_weights=args.raw_weights)
+    output_dir = args.output_dir or default_output_dir(args.checkpoint)
+    stats = detector.evaluate(args.data_path, batch_size=args.batch_size, output_dir=output_dir, verbose=True)
+    print(per_class_table(stats))
+    print(
+        f"wrote {', '.join(str(output_dir / n) for n in ('eval_results.json', 'detections_val.json', 'pr_curves.png'))}"
+    )
+    return stats
+
+
+if __name__ == "__main__":
+    main()
