@@ -5,16 +5,52 @@ install with CMake against the MLX of the build environment.
 Optional: where it cannot be built (no C++ compiler or CMake), the install goes on and `kernels`
 uses its MLX-ops path and scipy (`kernels.available_backends()` tells). Everything else is in
 pyproject.toml, which pins the MLX version the extension is built for and runs with.
+
+Reuse instead of a rebuild: an editable install (`pip install -e .`) copies the extension and its
+companion library into the source tree (kernels/_native*.so, kernels/libopenblas_cblas.so) and writes
+kernels/_native.stamp beside them (gitignored): everything the build read, as `_build_inputs` gathers it
+(a SHA-256 of every file under kernels/native/ with its path, but for the loader
+kernels/native/__init__.py, which CMake does not read, and of this file; the versions of MLX, its
+library package and nanobind in the build environment; the Python version, its ABI and platform as the
+extension suffix names them; the build type; the compiler's version line and the environment variables
+CMake reads), and a SHA-256 of each file the build made. A later build whose inputs are the same, where
+those files are still there with those digests, copies them to where setuptools expects the build output
+instead of running CMake (about a minute less). This is safe: the digest covers every file the build
+reads (contents, not modification times, so a `touch`, a checkout or a copy that keeps times neither
+forces nor hides a change), and MLX's C++ ABI, nanobind's and Python's change only with their versions,
+which the stamp holds. Anything else builds as before: a clean tree (a clone, `pip wheel .` there), a
+changed source or setup.py, another MLX or nanobind, Python or compiler. To force a build, delete
+kernels/_native.stamp.
 """
 
+import hashlib
+import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
+import sysconfig
+from importlib import metadata
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError
+
+BUILD_TYPE = "Release"
+# Environment variables CMake reads when it configures: they can change what it builds.
+CMAKE_ENVIRONMENT = (
+    "CXX",
+    "CXXFLAGS",
+    "CPPFLAGS",
+    "LDFLAGS",
+    "CMAKE_GENERATOR",
+    "CMAKE_TOOLCHAIN_FILE",
+    "CMAKE_OSX_ARCHITECTURES",
+    "MACOSX_DEPLOYMENT_TARGET",
+    "SDKROOT",
+)
 
 
 class CMakeExtension(Extension):
@@ -27,9 +63,79 @@ class CMakeExtension(Extension):
         self.companions = companions
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _compiler() -> str | None:
+    """The first line of `--version` of the C++ compiler CMake would take (CXX, else c++)."""
+    try:
+        done = subprocess.run([os.environ.get("CXX") or "c++", "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.splitlines() or [""])[0] if done.returncode == 0 else None
+
+
+def _build_inputs(ext: CMakeExtension) -> dict:
+    """Everything a build of `ext` reads, as the stamp compares it (see the module's docstring)."""
+    source_dir = Path(ext.source_dir)
+    loader = source_dir / "__init__.py"  # Python that loads the extension: CMake does not read it
+    sources = {
+        path.relative_to(source_dir).as_posix(): _sha256(path)
+        for path in sorted(source_dir.rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc" and path != loader
+    }
+    return {
+        "sources": sources,
+        "setup.py": _sha256(Path(__file__).resolve()),
+        "versions": {name: _version(name) for name in ("mlx", "mlx-cpu", "mlx-metal", "mlx-cuda", "nanobind")},
+        "python": [sys.version, sys.implementation.cache_tag, sysconfig.get_config_var("EXT_SUFFIX")],
+        "platform": [sys.platform, platform.machine(), sysconfig.get_platform()],
+        "build_type": BUILD_TYPE,
+        "compiler": _compiler(),
+        "environment": {name: os.environ[name] for name in CMAKE_ENVIRONMENT if name in os.environ},
+    }
+
+
 class CMakeBuild(build_ext):
+    def _source_package_dir(self, ext) -> Path:
+        """The folder of the source tree that an editable install copies `ext` into."""
+        package = ".".join(self.get_ext_fullname(ext.name).split(".")[:-1])
+        return Path(self.get_finalized_command("build_py").get_package_dir(package)).resolve()
+
+    def _stamp_path(self, ext) -> Path:
+        return self._source_package_dir(ext) / (ext.name.split(".")[-1] + ".stamp")
+
+    def _reusable(self, ext, inputs: dict) -> dict | None:
+        """The files {name: digest} of a build with these inputs that sit in the source tree, or None."""
+        try:
+            stamp = json.loads(self._stamp_path(ext).read_text())
+            outputs = stamp["outputs"]
+            if stamp["inputs"] != inputs or Path(self.get_ext_filename(ext.name)).name not in outputs:
+                return None
+            folder = self._source_package_dir(ext)
+            return outputs if all(_sha256(folder / name) == digest for name, digest in outputs.items()) else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
     def build_extension(self, ext):
         output_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        inputs = _build_inputs(ext)
+        self._inputs = {**getattr(self, "_inputs", {}), ext.name: inputs}
+        reusable = self._reusable(ext, inputs)
+        if reusable is not None:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            for name in reusable:
+                shutil.copy2(self._source_package_dir(ext) / name, output_dir / name)
+            print(f"{ext.name}: reusing the build in {self._source_package_dir(ext)} (its stamp matches)")
+            return
         build_dir = Path(self.build_temp).resolve() / ext.name
         build_dir.mkdir(parents=True, exist_ok=True)
         configure = [
@@ -38,7 +144,7 @@ class CMakeBuild(build_ext):
             ext.source_dir,
             "-B",
             str(build_dir),
-            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DCMAKE_BUILD_TYPE={BUILD_TYPE}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={output_dir}",
         ]
@@ -53,9 +159,17 @@ class CMakeBuild(build_ext):
         super().copy_extensions_to_source()  # here self.inplace is on: get_ext_fullpath is in the source tree
         for ext in self.extensions:
             built = Path(self.build_lib, self.get_ext_filename(ext.name)).parent
+            module = Path(self.get_ext_filename(ext.name)).name
+            if not (built / module).is_file():
+                continue  # not built (optional): the source tree's files and stamp stay as they were
+            target = Path(self.get_ext_fullpath(ext.name)).parent
             for name in ext.companions:
                 if (built / name).is_file():
-                    self.copy_file(str(built / name), str(Path(self.get_ext_fullpath(ext.name)).parent / name))
+                    self.copy_file(str(built / name), str(target / name))
+            # The stamp, last: it names only files now in the source tree, with their digests.
+            outputs = {name: _sha256(target / name) for name in (module, *ext.companions) if (built / name).is_file()}
+            inputs = getattr(self, "_inputs", {}).get(ext.name) or _build_inputs(ext)
+            self._stamp_path(ext).write_text(json.dumps({"inputs": inputs, "outputs": outputs}, indent=1) + "\n")
 
 
 # libopenblas_cblas.so: OpenBLAS's matrix products under the names MLX calls (Linux; runtime.py).
