@@ -28,7 +28,8 @@ def main(argv=None):
         print(f"error: {command!r} is not a command\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
     sys.argv[0] = f"deformable-detr {command}"  # argparse's prog, in usage and error lines
-    return importlib.import_module(f"deformable_detr.{command}").main(arguments)
+    # nothing returned: the console script's sys.exit(main()) would print a command's value and exit 1
+    importlib.import_module(f"deformable_detr.{command}").main(arguments)
 
 
 if __name__ == "__main__":

@@ -61,3 +61,15 @@ def test_check_generates_the_shapes_set_in_the_current_folder(tmp_path):
     assert f"generating it in {Path('data/shapes')}" in done.stdout and "no problems found" in done.stdout
     assert (tmp_path / "data" / "shapes" / "annotations" / "instances_val2017.json").is_file()
     assert "train: 400 images" in done.stdout
+
+
+def test_the_console_script_exits_0_whatever_a_command_returns(monkeypatch):
+    # pip's console script runs sys.exit(main()): a command's value (eval's stats) would be printed, exit 1
+    import types
+
+    from deformable_detr import __main__ as console
+
+    command = types.SimpleNamespace(main=lambda argv: {"AP": 0.5, "argv": argv})
+    monkeypatch.setattr(console.importlib, "import_module", lambda name: command)
+    monkeypatch.setattr(sys, "argv", ["deformable-detr"])
+    assert console.main(["eval", "--checkpoint", "x"]) is None
