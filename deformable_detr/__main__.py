@@ -12,6 +12,7 @@ COMMANDS = {
     "export": "weights to ONNX, an .mlxfn file, Hugging Face or the authors' .pth",
     "convert": "the authors' or Hugging Face weights to this package's",
     "check": "read a config's dataset as training would and list every problem",
+    "serve": "an HTTP server of detections (the serve extra): JSON, batched, a page",
 }
 USAGE = "usage: deformable-detr COMMAND [ARGS] (COMMAND --help: its arguments)\n\ncommands:\n" + "\n".join(
     f"  {name:<8} {what}" for name, what in COMMANDS.items()

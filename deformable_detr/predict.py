@@ -9,7 +9,10 @@ For each image writes D/<stem>.png (boxes, class names, scores) and D/<stem>.jso
 above the threshold: label, name, score, box x0, y0, x1, y1 in pixels, the decoder query:
 `Detections.to_json()`); with --attention, D/<stem>.attention.png and each detection's sampling points
 and weights in the JSON; with --encoder-pixel, D/<stem>.encoder.png and .encoder.json. For a video,
-D/<stem>.mp4 (annotated) and D/<stem>.json (detections per frame). Built on `Detector`."""
+D/<stem>.mp4 (annotated) and D/<stem>.json (detections per frame). Built on `Detector`.
+
+--batch-size N: a forward takes at most N images of one resized size, none padded, so every result is
+that of the image alone (`Detector`'s batching rule); images are written as their batches complete."""
 
 import argparse
 import json
@@ -110,9 +113,10 @@ def write_outputs(path: Path, image: Image.Image, result: Detections, args, laye
     return line
 
 
-def loaded_batches(paths: list[Path], batch_size: int, skip: bool, bar):
-    """Batches of (path, image); an image that does not load stops the run, or with `skip` is named
-    and left out (its place filled by the next)."""
+def loaded_batches(paths: list[Path], batch_size: int, skip: bool, bar, key=None):
+    """Batches of (order, path, image), of one `key` each (`Detector.batch_key`: the batching rule);
+    an image that does not load stops the run, or with `skip` is named and left out (its place filled
+    by the next)."""
 
     def unreadable(path, error):
         if not skip:
@@ -120,7 +124,7 @@ def loaded_batches(paths: list[Path], batch_size: int, skip: bool, bar):
         bar.write(f"skipped: {error}")
         bar.update()
 
-    return opened_batches([(path, None) for path in paths], batch_size, unreadable)
+    return opened_batches([(path, None) for path in paths], batch_size, unreadable, key)
 
 
 def predict_images(detector: Detector, paths: list[Path], args, layers: tuple):
@@ -128,9 +132,10 @@ def predict_images(detector: Detector, paths: list[Path], args, layers: tuple):
     options = dict(threshold=args.threshold, batch_size=args.batch_size, encoder_pixel=args.encoder_pixel)
     options |= dict(attention=args.attention, attention_layer=layers[0])
     with tqdm(total=len(paths), unit="image", desc="predict") as bar:
-        for batch in loaded_batches(paths, args.batch_size, args.skip_unreadable, bar):
-            results = detector.predict([image for _, image in batch], **options)
-            for (path, image), result in zip(batch, results, strict=True):
+        # batches of one resized size, as Detector.predict's: the results of --batch-size 1
+        for batch in loaded_batches(paths, args.batch_size, args.skip_unreadable, bar, detector.batch_key):
+            results = detector.predict([image for _, _, image in batch], **options)
+            for (_, path, image), result in zip(batch, results, strict=True):
                 bar.write(write_outputs(path, image, result, args, layers))
             bar.update(len(batch))
             done += len(batch)
@@ -154,7 +159,9 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint", required=True, help="a weights file, or hf://ORG/NAME[@REVISION] on the Hub")
     parser.add_argument("--threshold", type=float, default=0.5, help="keep detections scoring at least this")
     parser.add_argument("--output-dir", type=Path, default=Path("predictions"))
-    parser.add_argument("--batch-size", type=int, default=1, help="images (or frames) a forward")
+    parser.add_argument(
+        "--batch-size", type=int, default=1, help="images (or frames) a forward, of one resized size: the same results"
+    )
     parser.add_argument("--attention", action="store_true", help="the detections' sampling points and weights")
     parser.add_argument("--attention-layer", type=int, default=-1, help="the decoder layer shown (default the last)")
     parser.add_argument("--encoder-pixel", type=pixel, help="X,Y: where the last encoder layer's queries there look")

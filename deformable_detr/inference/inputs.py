@@ -10,6 +10,7 @@ from ..data.images import IMAGE_SUFFIXES, ImageFile, UnreadableImageError, as_di
 from ..errors import UsageError
 
 VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}
+WAITING_BATCHES = 4  # grouped by key: at most this many batches' worth of images wait for others of their key
 
 
 def find_inputs(arguments: list) -> list[Path]:
@@ -40,11 +41,17 @@ def open_image(path: Path) -> Image.Image:
     return read_image(path, "displayed")
 
 
-def opened_batches(sources: list, batch_size: int, unreadable):
-    """Batches of (path, image), in input order: each of `sources` (path, None) opened here, (None, image)
-    as given. A file that does not open goes to `unreadable(path, error)`, which raises to stop or
-    returns to leave it out; the next images fill its place, so every batch but the last is full."""
-    batch = []
+def opened_batches(sources: list, batch_size: int, unreadable, key=None):
+    """Batches of (order, path, image): each of `sources` (path, None) opened here, (None, image) as
+    given; `order` counts the images opened. A file that does not open goes to `unreadable(path,
+    error)`, which raises to stop or returns to leave it out; the next images fill its place.
+
+    Without `key`, batches of `batch_size` in input order (the last may be short). With `key(image)`,
+    a batch holds images of one key only, at most `batch_size`: each key's images wait for the next of
+    theirs; a batch leaves when full, or, once more than WAITING_BATCHES batches' worth wait, the one of
+    the longest-waiting image leaves short (so memory stays bounded); at the end the rest, oldest first."""
+    waiting = {}  # key -> its waiting (order, path, image); dict order: that of each group's oldest image
+    order = 0
     for path, image in sources:
         if image is None:
             try:
@@ -52,12 +59,14 @@ def opened_batches(sources: list, batch_size: int, unreadable):
             except (FileNotFoundError, UnreadableImageError) as error:
                 unreadable(path, error)
                 continue
-        batch.append((path, image))
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+        group_key = None if key is None else key(image)
+        waiting.setdefault(group_key, []).append((order, path, image))
+        order += 1
+        if len(waiting[group_key]) == batch_size:
+            yield waiting.pop(group_key)
+        elif sum(len(group) for group in waiting.values()) > WAITING_BATCHES * batch_size:
+            yield waiting.pop(next(iter(waiting)))
+    yield from waiting.values()
 
 
 def displayed_size(path: Path) -> tuple[int, int]:

@@ -1,0 +1,83 @@
+"""Serve a model over HTTP: detections as JSON, images of concurrent requests run as one batch.
+
+    python -m deformable_detr.serve --checkpoint W [--config C] [--host 127.0.0.1] [--port 8000]
+        [--max-batch 8] [--max-wait-ms 10] [--max-queue 64] [--max-body-mb 20]
+
+W: any weights `Detector.load` takes (a checkpoint, converted weights, hf://ORG/NAME). The routes
+(POST /v1/detect, GET /v1/model, /v1/stats, /healthz, the page at /) are deformable_detr/serving/app.py's.
+It listens on this machine alone unless --host says otherwise; there is no authentication. SIGTERM or
+Ctrl-C: requests under way complete, new ones are refused, exit status 0. Needs the `serve` extra."""
+
+import ipaddress
+import signal
+import sys
+
+from .cli import ArgumentParser, entry_point
+from .errors import CommandError, UsageError, install_hint
+from .inference.detector import Detector
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(prog="python -m deformable_detr.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a weights file, or hf://ORG/NAME[@REVISION] on the Hub")
+    parser.add_argument("--config", help="default: the config the weights record")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch", type=int, default=8, help="images a forward, at most")
+    parser.add_argument("--max-wait-ms", type=float, default=10, help="how long an image waits for others to join")
+    parser.add_argument("--max-queue", type=int, default=64, help="images waiting, at most; more: 503 Retry-After")
+    parser.add_argument("--max-body-mb", type=float, default=20, help="a request's body, at most (413 beyond)")
+    args = parser.parse_args(argv)
+    for option, value, least in [("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1)]:
+        if value < least:
+            raise UsageError(f"{option} {value}: must be at least {least}")
+    if args.max_wait_ms < 0 or args.max_body_mb <= 0 or not 0 <= args.port <= 65535:
+        raise UsageError("--max-wait-ms must be at least 0, --max-body-mb above 0 and --port 0 to 65535")
+    return args
+
+
+def server_modules():
+    """(uvicorn, create_app), or a CommandError naming the extra that installs them."""
+    try:
+        import uvicorn
+
+        from .serving.app import create_app
+    except ImportError as missing:
+        raise CommandError(f"serve needs {missing.name}, in the serve extra: {install_hint('serve')}") from None
+    return uvicorn, create_app
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def stop_quietly(signum, frame):
+    """After uvicorn's graceful shutdown it raises the signal it caught again: exit 0, not killed by it."""
+    raise SystemExit(0)
+
+
+@entry_point
+def main(argv=None):
+    args = parse_args(argv)
+    uvicorn, create_app = server_modules()
+    detector = Detector.load(args.checkpoint, args.config)
+    app = create_app(detector, args.max_batch, args.max_wait_ms, args.max_queue, args.max_body_mb)
+    if not is_loopback(args.host):
+        print(
+            f"listening on {args.host}:{args.port}, beyond this machine: whoever reaches it can use the model "
+            "(no authentication; --host 127.0.0.1 keeps it here)",
+            file=sys.stderr,
+        )
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, stop_quietly)
+    server.run()
+    if not server.started:
+        raise CommandError(f"could not serve on {args.host}:{args.port} (uvicorn's line above says why)")
+
+
+if __name__ == "__main__":
+    main()
