@@ -8,7 +8,11 @@ configs/r50.yaml with random weights, batch 1 at 800 x 1066 (the authors' evalua
 and PyTorch are measured by bench/model.py's own processes (its inference row, the same code);
 onnxruntime runs the file `export --to onnx --size 800 1066` writes (the canvas the image fills),
 once with each sampler (gather, the default; grid_sample), on all `--threads` cores
-(intra_op_num_threads) with its default graph optimisations, as a CPU server would run it. The
+(intra_op_num_threads) with its default graph optimisations, as a CPU server would run it. OpenVINO
+(where installed) runs the same files as they are in its CPU plugin on `--threads` threads
+(INFERENCE_NUM_THREADS), at f32 and, where the CPU has bfloat16 instructions, at its default
+precision there (bf16), with the largest difference of its logits and boxes from its f32 ones; the
+notes under the table also compare OpenVINO at f32 with onnxruntime on the same input. The
 .mlxfn file (`export --to mlx --size 800 1066`) runs in a Python process that imports only mlx
 (`mx.import_function`, MLX's own BLAS and ops: none of this package's CPU kernels), as mlx-c or
 mlx-swift would run it; `--mlx-only` measures ours and that file only. Each
@@ -19,6 +23,7 @@ Writes `deploy_cpu.txt` to --output-dir (default bench/results).
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -26,6 +31,7 @@ import resource
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +115,24 @@ def run_mlxfn(path: Path, repeats: int) -> dict:
     return measured(command, dict(os.environ), path.name)
 
 
+def random_inputs(shape) -> dict:
+    """An ONNX file's inputs for its pixel_values shape (N, 3, H, W): seeded noise, no padding; the
+    same in every runtime's process, so that their saved outputs compare."""
+    import numpy as np
+
+    n, _, h, w = shape
+    rng = np.random.default_rng(0)
+    return {
+        "pixel_values": rng.standard_normal((n, 3, h, w)).astype(np.float32),
+        "pixel_mask": np.ones((n, h, w), np.int64),
+    }
+
+
+def outputs_path(path: Path, runtime: str) -> Path:
+    """Where a runtime's process leaves its logits and boxes on `path`, for the notes' comparisons."""
+    return path.with_name(f"{path.stem}.{runtime}.npz")
+
+
 def measure_onnxruntime(path: Path, repeats: int, threads: int) -> dict:
     import numpy as np
     import onnxruntime
@@ -116,22 +140,91 @@ def measure_onnxruntime(path: Path, repeats: int, threads: int) -> dict:
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    inputs = {
-        "pixel_values": rng.standard_normal((1, 3, *SIZE)).astype(np.float32),
-        "pixel_mask": np.ones((1, *SIZE), np.int64),
-    }
+    inputs = random_inputs(session.get_inputs()[0].shape)
     seconds = median_time(lambda: session.run(None, inputs), repeats)
+    logits, boxes = session.run(["logits", "pred_boxes"], inputs)
+    np.savez(outputs_path(path, "onnxruntime"), logits=logits, pred_boxes=boxes)
     return {"seconds": seconds, "versions": f"onnxruntime {onnxruntime.__version__} (CPUExecutionProvider)"}
 
 
-def run_onnxruntime(path: Path, repeats: int, threads: int) -> dict:
-    """onnxruntime in its own process, glibc's malloc set as our commands set it (as model.py does PyTorch's)."""
-    from deformable_detr import runtime
+def measure_openvino(path: Path, repeats: int, threads: int, precision: str) -> dict:
+    """OpenVINO's CPU plugin on the file as written, at f32 or (precision "default") at the precision
+    it picks for this CPU: bf16 where the CPU has bfloat16 instructions. Its other settings are its
+    defaults (PERFORMANCE_HINT LATENCY), as a server's single-image requests would run."""
+    import numpy as np
+    import openvino
 
-    env = runtime.malloc_environment({k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", *runtime.MALLOC)})
-    command = [sys.executable, __file__, "--measure", str(path), "--repeats", str(repeats), "--threads", str(threads)]
-    return measured(command, env, f"onnxruntime on {path.name}")
+    core = openvino.Core()
+    config = {"INFERENCE_NUM_THREADS": threads}
+    if precision == "f32":
+        config["INFERENCE_PRECISION_HINT"] = "f32"
+    compiled = core.compile_model(str(path), "CPU", config)
+    request = compiled.create_infer_request()
+    inputs = random_inputs(compiled.input("pixel_values").shape)
+    seconds = median_time(lambda: request.infer(inputs), repeats)
+    results = request.infer(inputs)
+    np.savez(outputs_path(path, f"openvino_{precision}"), logits=results["logits"], pred_boxes=results["pred_boxes"])
+    return {
+        "seconds": seconds,
+        "versions": f"OpenVINO {openvino.__version__.split('-')[0]} (CPU plugin)",
+        "precision": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
+        "bf16": "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"),
+    }
+
+
+# --measure's runtimes: each runs in a process of this script's own (run_runtime)
+MEASURES = {
+    "onnxruntime": measure_onnxruntime,
+    "openvino_f32": partial(measure_openvino, precision="f32"),
+    "openvino_default": partial(measure_openvino, precision="default"),
+}
+
+
+def run_runtime(path: Path, runtime: str, repeats: int, threads: int) -> dict:
+    """A runtime of MEASURES on the file in its own process, glibc's malloc set as our commands set it
+    (as model.py does PyTorch's)."""
+    from deformable_detr import runtime as our_runtime
+
+    variables = ("LD_PRELOAD", *our_runtime.MALLOC)
+    env = our_runtime.malloc_environment({k: v for k, v in os.environ.items() if k not in variables})
+    command = [sys.executable, __file__, "--measure", str(path), "--runtime", runtime]
+    command += ["--repeats", str(repeats), "--threads", str(threads)]
+    return measured(command, env, f"{runtime} on {path.name}")
+
+
+def difference(path: Path, runtime: str, reference: str) -> str:
+    """The largest |difference| of two runtimes' saved logits and boxes on `path`, and the largest
+    |value| of the reference's, as the notes print them."""
+    import numpy as np
+
+    outputs, expected = np.load(outputs_path(path, runtime)), np.load(outputs_path(path, reference))
+    return ", ".join(
+        f"{name} {np.abs(outputs[key] - expected[key]).max():.2g} (largest |value| {np.abs(expected[key]).max():.2g})"
+        for name, key in (("logits", "logits"), ("boxes", "pred_boxes"))
+    )
+
+
+def openvino_rows(directory: Path, args, notes: list) -> list:
+    """OpenVINO's rows on both samplers' files: f32, then its default precision where the CPU has
+    bf16 instructions; the notes say how far each is from its reference, or why a row is missing."""
+    if importlib.util.find_spec("openvino") is None:
+        notes.append("OpenVINO: not measured: openvino is not installed (pip install openvino)")
+        return []
+    files = {sampler: directory / f"r50_{sampler}.onnx" for sampler in SAMPLERS}
+    rows = []
+    for sampler, path in files.items():
+        result = run_runtime(path, "openvino_f32", args.repeats, args.threads)
+        rows.append((f"OpenVINO (f32), our ONNX file ({sampler} sampler)", result))
+        notes.append(f"OpenVINO f32 against onnxruntime, {sampler}: {difference(path, 'openvino_f32', 'onnxruntime')}")
+    if not rows[0][1]["bf16"]:  # OpenVINO's OPTIMIZATION_CAPABILITIES: its default is then f32, the rows above
+        notes.append("OpenVINO's default precision: f32 on this CPU (no bf16 instructions), measured above")
+        return rows
+    for sampler, path in files.items():
+        result = run_runtime(path, "openvino_default", args.repeats, args.threads)
+        rows.append((f"OpenVINO (its default, {result['precision']}), our ONNX file ({sampler} sampler)", result))
+        against = difference(path, "openvino_default", "openvino_f32")
+        notes.append(f"OpenVINO {result['precision']} against its f32, {sampler}: {against}")
+    return rows
 
 
 def table(rows: list, ours: float) -> list:
@@ -144,8 +237,9 @@ def table(rows: list, ours: float) -> list:
     return lines
 
 
-def measure_rows(directory: Path, args) -> tuple:
-    """-> ([(runtime, its measurement)], the exports' lines), ours first."""
+def measure_rows(directory: Path, args, notes: list) -> tuple:
+    """-> ([(runtime, its measurement)], the exports' lines), ours first; `notes` gets the lines
+    under the table."""
     exported = measured([sys.executable, __file__, "--export-mlxfn-to", str(directory)], dict(os.environ), "export")
     exports = [
         f"export --to mlx: {exported['versions']}, {exported['file_mib']:.0f} MiB file, traced and written in "
@@ -161,10 +255,21 @@ def measure_rows(directory: Path, args) -> tuple:
         + ", ".join(f"{s:.1f} s ({sampler})" for sampler, s in exported["seconds"].items())
     )
     for sampler in SAMPLERS:
-        result = run_onnxruntime(directory / f"r50_{sampler}.onnx", args.repeats, args.threads)
+        result = run_runtime(directory / f"r50_{sampler}.onnx", "onnxruntime", args.repeats, args.threads)
         rows.append((f"onnxruntime, our ONNX file ({sampler} sampler)", result))
+    rows += openvino_rows(directory, args, notes)
     rows.append(("PyTorch (transformers)", run_side("torch", "inference", args.repeats, SIZE, args.threads)))
     return rows, exports
+
+
+def child_result(args) -> dict:
+    """What a measuring or exporting process of this script prints: its result and its peak RSS."""
+    if args.measure:
+        result = MEASURES[args.runtime](args.measure, args.repeats, args.threads)
+    else:
+        result = export(args.export_to) if args.export_to else export_mlxfn(args.export_mlxfn_to)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
 
 
 @entry_point
@@ -173,23 +278,19 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # an ONNX file: onnxruntime's process
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # an ONNX file: a runtime's process
+    parser.add_argument("--runtime", choices=MEASURES, default="onnxruntime", help=argparse.SUPPRESS)
     parser.add_argument("--export-to", type=Path, help=argparse.SUPPRESS)  # the export's process
     parser.add_argument("--export-mlxfn-to", type=Path, help=argparse.SUPPRESS)  # the .mlxfn export's process
     parser.add_argument("--mlx-only", action="store_true", help="ours and the .mlxfn file only")
     args = parser.parse_args(argv)
     if args.measure or args.export_to or args.export_mlxfn_to:
-        if args.measure:
-            result = measure_onnxruntime(args.measure, args.repeats, args.threads)
-        else:
-            result = export(args.export_to) if args.export_to else export_mlxfn(args.export_mlxfn_to)
-        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps(result))
+        print(json.dumps(child_result(args)))
         return
 
-    load_before = os.getloadavg()[0]
+    load_before, notes = os.getloadavg()[0], []
     with tempfile.TemporaryDirectory() as directory:
-        rows, exports = measure_rows(Path(directory), args)
+        rows, exports = measure_rows(Path(directory), args, notes)
     versions = sorted({f"{name.split(' (')[0]}: {result['versions']}" for name, result in rows})
     lines = [
         f"R50 Deformable DETR inference, batch 1, {SIZE[0]} x {SIZE[1]}, random weights (configs/r50.yaml)",
@@ -202,6 +303,7 @@ def main(argv=None):
         "other work shared the cores, and the times are noisy)",
         "",
         *table(rows, rows[0][1]["seconds"]),
+        *([""] + notes if notes else []),
     ]
     report(lines, args.output_dir / "deploy_cpu.txt")
 
