@@ -2,7 +2,7 @@
 its .mlxfn file in plain MLX, onnxruntime on this port's exported ONNX file, and PyTorch (Hugging
 Face's model).
 
-    python bench/deploy.py [--repeats 3] [--threads N] [--output-dir DIR] [--mlx-only]
+    python bench/deploy.py [--repeats 3] [--threads N] [--output-dir DIR] [--mlx-only | --no-mlxfn]
 
 configs/r50.yaml with random weights, batch 1 at 800 x 1066 (the authors' evaluation size). Ours
 and PyTorch are measured by bench/model.py's own processes (its inference row, the same code);
@@ -240,13 +240,16 @@ def table(rows: list, ours: float) -> list:
 def measure_rows(directory: Path, args, notes: list) -> tuple:
     """-> ([(runtime, its measurement)], the exports' lines), ours first; `notes` gets the lines
     under the table."""
-    exported = measured([sys.executable, __file__, "--export-mlxfn-to", str(directory)], dict(os.environ), "export")
-    exports = [
-        f"export --to mlx: {exported['versions']}, {exported['file_mib']:.0f} MiB file, traced and written in "
-        f"{exported['seconds']:.1f} s"
-    ]
-    rows = [("ours (MLX)", run_side("ours", "inference", args.repeats, SIZE, args.threads))]
-    rows.append(("MLX on our .mlxfn file (plain mlx)", run_mlxfn(directory / "r50.mlxfn", args.repeats)))
+    rows, exports = [("ours (MLX)", run_side("ours", "inference", args.repeats, SIZE, args.threads))], []
+    if args.no_mlxfn:  # plain MLX on this CPU takes minutes an image
+        exports.append("export --to mlx: not measured (--no-mlxfn)")
+    else:
+        exported = measured([sys.executable, __file__, "--export-mlxfn-to", str(directory)], dict(os.environ), "export")
+        exports.append(
+            f"export --to mlx: {exported['versions']}, {exported['file_mib']:.0f} MiB file, traced and written in "
+            f"{exported['seconds']:.1f} s"
+        )
+        rows.append(("MLX on our .mlxfn file (plain mlx)", run_mlxfn(directory / "r50.mlxfn", args.repeats)))
     if args.mlx_only:
         return rows, exports
     exported = measured([sys.executable, __file__, "--export-to", str(directory)], dict(os.environ), "the export")
@@ -283,6 +286,7 @@ def main(argv=None):
     parser.add_argument("--export-to", type=Path, help=argparse.SUPPRESS)  # the export's process
     parser.add_argument("--export-mlxfn-to", type=Path, help=argparse.SUPPRESS)  # the .mlxfn export's process
     parser.add_argument("--mlx-only", action="store_true", help="ours and the .mlxfn file only")
+    parser.add_argument("--no-mlxfn", action="store_true", help="without the .mlxfn file (minutes an image here)")
     args = parser.parse_args(argv)
     if args.measure or args.export_to or args.export_mlxfn_to:
         print(json.dumps(child_result(args)))
