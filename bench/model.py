@@ -29,13 +29,14 @@ import os
 import platform
 import resource
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 
-from common import bars, image_sizes, measured, median_time  # noqa: E402
+from common import bars, cpu_model, image_sizes, load_average, measured, median_time  # noqa: E402
 
 SIZE = (800, 1066)
 
@@ -223,6 +224,8 @@ def main(argv=None):
     jobs = [("inference", SIZE)] if args.task in ("inference", "both") else []
     jobs += [("train", size) for size in train_sizes] if args.task in ("train", "both") else []
     lines = [
+        f"run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
+        f"load average at start: {load_average()}",
         f"machine: {platform.machine()}, {platform.system()}, {args.threads} cores used by each side, "
         f"python {platform.python_version()}",
         f"median of {args.repeats} after a warm-up; ratio = PyTorch time / ours (> 1: ours faster); "
