@@ -34,9 +34,10 @@ overrides the rule: `displayed` or `stored` for every image.
   own decoder (or pillow-heif where Pillow lacks it). Without the extra, the error says which extra
   reads the file.
 
-A file that is missing raises FileNotFoundError, one that cannot be decoded (not an image, truncated,
-too many pixels for Pillow's decompression-bomb limit) `UnreadableImageError`; each message names the
-file and the reason."""
+`ImageFile` also reads an image file's bytes (an upload to the server). A file that is missing raises
+FileNotFoundError, one that cannot be decoded `UnreadableImageError` (`NotAnImageError`: no format
+Pillow identifies; `TooManyPixelsError`: over Pillow's decompression-bomb limit; itself: truncated or
+corrupt); each message names the file and the reason."""
 
 import contextlib
 import io
@@ -89,26 +90,35 @@ class UnreadableImageError(ValueError):
     """A file that is there but cannot be decoded as an image; the message names it and says why."""
 
 
-def _brand(path: Path) -> bytes:
-    """The ISO base media file's major brand (HEIF, AVIF), or b""."""
-    with contextlib.suppress(OSError), open(path, "rb") as file:
-        head = file.read(12)
-        if head[4:8] == b"ftyp":
-            return head[8:12]
+class NotAnImageError(UnreadableImageError):
+    """Data in no format Pillow (or an installed plugin) identifies."""
+
+
+class TooManyPixelsError(UnreadableImageError):
+    """An image over Pillow's decompression-bomb limit."""
+
+
+def _head(source) -> bytes:
+    """The first 12 bytes of `source` (bytes, or a file's path); b"" where the file cannot be read."""
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source[:12])
+    with contextlib.suppress(OSError), open(source, "rb") as file:
+        return file.read(12)
     return b""
 
 
-def _unidentified(path: Path) -> UnreadableImageError:
-    brand = _brand(path)
+def _unidentified(name, head: bytes) -> NotAnImageError:
+    """Why Pillow identified no image in data starting `head`: a HEIF or AVIF file without its decoder, or
+    no image of a format it reads (the ISO base media file's major brand tells the first two)."""
+    brand = head[8:12] if head[4:8] == b"ftyp" else b""
     if brand in HEIF_BRANDS and not HEIF_READABLE:
-        return UnreadableImageError(
-            f"{path}: a HEIC/HEIF image: reading it takes the heif extra ({install_hint('heif')})"
-        )
+        return NotAnImageError(f"{name}: a HEIC/HEIF image: reading it takes the heif extra ({install_hint('heif')})")
     if brand in AVIF_BRANDS:
-        return UnreadableImageError(
-            f"{path}: an AVIF image this Pillow cannot decode ({install_hint('heif')} reads it)"
-        )
-    return UnreadableImageError(f"{path}: cannot read image: not a format Pillow (or an installed plugin) identifies")
+        return NotAnImageError(f"{name}: an AVIF image this Pillow cannot decode ({install_hint('heif')} reads it)")
+    return NotAnImageError(
+        f"{name}: cannot read image: not a format Pillow (or an installed plugin) identifies "
+        "(not an image, or one of another format)"
+    )
 
 
 class ImageFile:
@@ -117,17 +127,21 @@ class ImageFile:
     Opening reads the header alone; `rgb` decodes. A context manager (the file stays open until
     closed, or until `rgb` has decoded it)."""
 
-    def __init__(self, path):
-        self.path = Path(path)
+    def __init__(self, source, name: str | None = None):
+        """`source`: the file's path, or an image file's bytes (an upload) that messages call `name`."""
+        in_memory = isinstance(source, (bytes, bytearray))
+        self.path = name if in_memory else Path(source)
         try:
-            self._image = Image.open(self.path)
+            self._image = Image.open(io.BytesIO(source) if in_memory else self.path)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.path}: no such image file") from None
         except IsADirectoryError:
             raise UnreadableImageError(f"{self.path}: a folder, not an image file") from None
         except UnidentifiedImageError:
-            raise _unidentified(self.path) from None
-        except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as error:
+            raise _unidentified(self.path, _head(source)) from None
+        except Image.DecompressionBombError as error:
+            raise TooManyPixelsError(f"{self.path}: cannot read image: {error}") from None
+        except (OSError, SyntaxError, ValueError) as error:
             raise UnreadableImageError(f"{self.path}: cannot read image: {error}") from None
         self.format, self.mode, self.stored_size = self._image.format, self._image.mode, self._image.size
         self.orientation = self._orientation()
@@ -147,11 +161,6 @@ class ImageFile:
         width, height = self.stored_size
         return (height, width) if self.orientation in (5, 6, 7, 8) else (width, height)
 
-    @property
-    def turned(self) -> bool:
-        """Whether the displayed frame differs from the stored one."""
-        return self.orientation != 1
-
     def size_in(self, frame: str) -> tuple[int, int]:
         return self.displayed_size if frame == "displayed" else self.stored_size
 
@@ -169,19 +178,24 @@ class ImageFile:
         return "stored"
 
     def rgb(self, frame: str = "displayed") -> Image.Image:
-        """The whole image decoded (truncated data is an error), in `frame`, as RGB."""
+        """The whole image decoded (truncated data is an error), in `frame`, as RGB, carrying no EXIF or
+        XMP of the file's: its pixels are in their frame, with no orientation tag left for another reader
+        (`as_displayed`, a caller's `ImageOps.exif_transpose`) to turn them by again."""
         image = self._image
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 image.load()
             rgb = to_rgb(image)
-        except (OSError, Image.DecompressionBombError, SyntaxError, ValueError, EOFError) as error:
+        except Image.DecompressionBombError as error:
+            raise TooManyPixelsError(f"{self.path}: cannot read image: {error}") from None
+        except (OSError, SyntaxError, ValueError, EOFError) as error:
             raise UnreadableImageError(f"{self.path}: cannot read image: {error}") from None
         finally:
             self.close()
         if frame == "displayed" and self.orientation in TRANSPOSITIONS:
             rgb = rgb.transpose(TRANSPOSITIONS[self.orientation])
+        rgb.info = {}
         return rgb
 
     def close(self):
