@@ -30,7 +30,6 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Route
 
-from ..data.transforms import resized_shape
 from .batcher import Batcher, Closed, QueueFull
 from .uploads import ClientError, decode
 
@@ -140,8 +139,7 @@ class DetectionService:
                 413, f"{len(named)} images in one request: at most {self.batcher.max_queue} (--max-queue)"
             )
         images = [await run_in_threadpool(decode, data, filename) for filename, data in named]
-        data = self.detector.cfg.data
-        keys = [(resized_shape(*image.size, data.val_size, data.max_size), layer) for image in images]
+        keys = [(self.detector.batch_key(image), layer) for image in images]
         futures = self.batcher.submit(list(zip(images, keys, strict=True)))
         answers = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
         self.images += len(images)
