@@ -25,7 +25,6 @@ from .data import DATASETS, build_dataset, data_path
 from .data.coco import dropped_reason, recorded_size
 from .data.ground_truth import image_size
 from .data.images import ImageFile, UnreadableImageError
-from .data.loader import BadImageError
 from .errors import CommandError
 
 BUILT_IN = ("coco", "shapes", "yolo", "voc")  # their builders take strict=False: every problem kept
@@ -102,34 +101,26 @@ def count_boxes(dataset, report: Report):
             report.images_per_class[category].add(annotation["image_id"])
 
 
-def read_fully(dataset, facts: ImageFacts):
-    """Decode the image as training does: the dataset's `read_image` (a registered kind without one:
-    the one image reader, in the frame taken). The pixels are dropped; only an error matters."""
-    if hasattr(dataset, "read_image"):
-        dataset.read_image(facts.image_id)
-    else:
-        ImageFile(facts.path).rgb(facts.frame)
-
-
 def failure_reason(error: Exception, facts: ImageFacts) -> str:
-    """The reason alone: the readers' messages name the file and image id, which the check's line names."""
+    """The reason alone: the reader's messages name the file, which the check's line names."""
     if isinstance(error, FileNotFoundError):
         return "image file not found"
-    return str(error).removeprefix(f"{facts.path}: ").removesuffix(f" (image id {facts.image_id})")
+    return str(error).removeprefix(f"{facts.path}: ")
 
 
 def inspect_image(dataset, info: dict, decode: bool) -> ImageFacts:
     """The header of the image `info` names (sizes, orientation, the frame its recorded size asks for),
-    then, with `decode`, the whole image read as training reads it."""
+    then, with `decode`, the whole image decoded in that frame, as training reads it (`CocoDetection.
+    read_image`: the same reader and rule), from the file opened once."""
     facts = ImageFacts(info["id"], dataset.image_dir / info["file_name"], recorded_size(info))
     try:
         with ImageFile(facts.path) as header:
             facts.frame = header.frame_for(facts.recorded, getattr(dataset, "exif_orientation", "auto"))
             facts.orientation = header.orientation
             facts.stored_size, facts.displayed_size = header.stored_size, header.displayed_size
-        if decode:
-            read_fully(dataset, facts)
-    except (FileNotFoundError, UnreadableImageError, BadImageError) as error:
+            if decode:
+                header.rgb(facts.frame)  # the pixels are dropped; only an error matters
+    except (FileNotFoundError, UnreadableImageError) as error:
         facts.error = failure_reason(error, facts)
     return facts
 
