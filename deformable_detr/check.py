@@ -22,8 +22,8 @@ from tqdm import tqdm
 from .cli import ArgumentParser, entry_point
 from .config import load_config
 from .data import DATASETS, build_dataset, data_path
-from .data.coco import dropped_reason, recorded_size
-from .data.ground_truth import image_size
+from .data.coco import recorded_size
+from .data.ground_truth import box_counts
 from .data.images import ImageFile, UnreadableImageError
 from .errors import CommandError
 
@@ -39,14 +39,11 @@ class Report:
 
     images: int = 0
     boxes: Counter = field(default_factory=Counter)
-    images_per_class: dict = field(default_factory=lambda: defaultdict(set))
+    images_per_class: dict = field(default_factory=dict)  # category id -> image ids
     crowd: int = 0  # iscrowd (VOC: difficult): evaluated, not trained on
     dropped: dict = field(default_factory=dict)  # reason -> [count, the first one's place]
     problems: list = field(default_factory=list)
     notes: list = field(default_factory=list)
-
-    def drop(self, reason: str, where: str):
-        self.dropped.setdefault(reason, [0, where])[0] += 1
 
 
 @dataclass
@@ -81,24 +78,12 @@ def open_split(split: str, data_cfg):
 
 
 def count_boxes(dataset, report: Report):
-    """Boxes per class, crowd boxes, dropped boxes, from the split's ground truth (`dataset.coco`)."""
-    images = dataset.coco.imgs
-    report.images = len(images)
-    for annotation in dataset.coco.anns.values():
-        category, box, image_id = annotation.get("category_id"), annotation.get("bbox"), annotation.get("image_id")
-        image = images.get(image_id) if isinstance(image_id, Hashable) else None
-        if not (isinstance(category, int) and isinstance(box, list) and len(box) == 4 and image is not None):
-            continue  # a problem already listed (or an annotation of no listed image: noted, never read)
-        if annotation.get("iscrowd", 0):
-            report.crowd += 1
-            continue
-        where = annotation.get("where") or f"{dataset.annotation_file}: annotation id {annotation.get('id')!r}"
-        reason = dropped_reason(box, *image_size(dataset, image))  # as the evaluation's ground truth counts
-        if reason:
-            report.drop(reason, where)
-        else:
-            report.boxes[category] += 1
-            report.images_per_class[category].add(annotation["image_id"])
+    """Boxes per class, crowd boxes, dropped boxes: the split as training and its evaluation count it
+    (`ground_truth.box_counts`)."""
+    counts = box_counts(dataset)
+    report.images, report.crowd = len(dataset.coco.imgs), counts.crowd
+    report.boxes, report.images_per_class = counts.per_class, counts.images_per_class
+    report.dropped = {reason: [n, counts.first_dropped[reason]] for reason, n in counts.dropped.items()}
 
 
 def failure_reason(error: Exception, facts: ImageFacts) -> str:

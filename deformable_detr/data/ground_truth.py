@@ -14,6 +14,7 @@ is what pycocotools gives on the file.
 
 import math
 from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from .coco import dropped_reason, recorded_size
@@ -33,6 +34,9 @@ class BoxCounts:
     crowd: int = 0  # iscrowd (VOC: difficult): evaluated as crowd, not trained on
     dropped: Counter = field(default_factory=Counter)  # reason -> boxes
     dropped_at: set = field(default_factory=set)  # their places in the annotation list
+    first_dropped: dict = field(default_factory=dict)  # reason -> where the first such box is (for messages)
+    per_class: Counter = field(default_factory=Counter)  # category id -> kept boxes
+    images_per_class: dict = field(default_factory=dict)  # category id -> ids of the images with a kept box
 
     def as_record(self) -> dict:
         """{"boxes", "crowd", "dropped": {reason: count}}, every reason named (0 where none)."""
@@ -61,9 +65,9 @@ def box_counts(dataset) -> BoxCounts:
         return cached
     counts, sizes = BoxCounts(), {}
     for place, annotation in enumerate(dataset.coco.dataset.get("annotations", [])):
-        info = dataset.coco.imgs.get(annotation.get("image_id"))
+        info = _image_of(dataset, annotation)
         if info is None:
-            continue  # an image the split does not list: never read, never evaluated
+            continue  # malformed (a problem the readers list), or of an image the split does not list
         if annotation.get("iscrowd", 0):
             counts.crowd += 1
             continue
@@ -72,11 +76,26 @@ def box_counts(dataset) -> BoxCounts:
         reason = dropped_reason(annotation["bbox"], *sizes[info["id"]])
         if reason is None:
             counts.boxes += 1
+            counts.per_class[annotation["category_id"]] += 1
+            counts.images_per_class.setdefault(annotation["category_id"], set()).add(info["id"])
         else:
             counts.dropped[reason] += 1
             counts.dropped_at.add(place)
+            where = annotation.get("where") or f"{dataset.annotation_file}: annotation id {annotation.get('id')!r}"
+            counts.first_dropped.setdefault(reason, where)
     setattr(dataset, _COUNTS, counts)
     return counts
+
+
+def _image_of(dataset, annotation) -> dict | None:
+    """The listed image of a well-formed annotation (an integer category, four box values), else None:
+    what the check command reads with every problem kept may hold any JSON."""
+    if not isinstance(annotation, dict):
+        return None
+    box, image_id = annotation.get("bbox"), annotation.get("image_id")
+    if not (isinstance(annotation.get("category_id"), int) and isinstance(box, list) and len(box) == 4):
+        return None
+    return dataset.coco.imgs.get(image_id) if isinstance(image_id, Hashable) else None
 
 
 def evaluation_ground_truth(dataset):
