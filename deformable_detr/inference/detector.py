@@ -73,6 +73,14 @@ class Detections:
     def __len__(self) -> int:
         return len(self.scores)
 
+    def at_threshold(self, threshold: float) -> "Detections":
+        """Those scoring at least `threshold` (best first still), with their names and sampling points."""
+        kept = self.scores >= threshold
+        arrays = {k: getattr(self, k)[kept] for k in ("boxes", "scores", "labels", "queries")}
+        names = [name for name, keep in zip(self.names, kept, strict=True) if keep]
+        attention = None if self.attention is None else {k: v[kept] for k, v in self.attention.items()}
+        return dataclasses.replace(self, **arrays, names=names, attention=attention)
+
     def to_json(self) -> list[dict]:
         """A record per detection: label, name, score, box, query; with `attention`, its reference point
         (and box), sampling points and weights, rounded."""
@@ -212,13 +220,17 @@ class Detector:
         return results
 
     def _kept(self, found: dict, threshold: float, size: tuple, path) -> Detections:
-        kept = found["scores"] >= threshold  # post_process sorts best first
-        names = [self.class_names.get(int(label), str(int(label))) for label in found["labels"][kept]]
-        attention = {k: v[kept] for k, v in found["attention"].items()} if "attention" in found else None
-        arrays = {k: found[k][kept] for k in ("boxes", "scores", "labels", "queries")}
-        return Detections(
-            **arrays, names=names, image_size=size, path=path, attention=attention, encoder=found.get("encoder")
+        names = [self.class_names.get(int(label), str(int(label))) for label in found["labels"]]
+        arrays = {k: found[k] for k in ("boxes", "scores", "labels", "queries")}
+        every = Detections(
+            **arrays,
+            names=names,
+            image_size=size,
+            path=path,
+            attention=found.get("attention"),
+            encoder=found.get("encoder"),
         )
+        return every.at_threshold(threshold)
 
     def evaluate(
         self, path=None, split: str = "val", batch_size: int | None = None, output_dir=None, verbose: bool = False

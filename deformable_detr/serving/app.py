@@ -16,7 +16,6 @@ data is truncated or corrupt, 503 a full queue (with Retry-After) or a server sh
 
 import asyncio
 import contextlib
-import dataclasses
 import math
 from pathlib import Path
 
@@ -100,7 +99,7 @@ class DetectionService:
     def run(self, images: list, key: tuple) -> list:
         """One batch, on the worker: images of one resized shape (no padding, so no image's answer depends
         on another's size) and one attention layer. Threshold 0 here and each request's own threshold
-        after (`above`): requests asking different thresholds still share the forward, and the kept
+        after (`Detections.at_threshold`): requests asking different thresholds still share the forward, and the kept
         detections are those `predict` keeps at that threshold (the same ones, best first)."""
         _, layer = key
         attention = layer is not None
@@ -143,7 +142,7 @@ class DetectionService:
         futures = self.batcher.submit(list(zip(images, keys, strict=True)))
         answers = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
         self.images += len(images)
-        found = [(above(detections, threshold), size) for detections, size in answers]
+        found = [(detections.at_threshold(threshold), size) for detections, size in answers]
         headers = {"X-Batch-Size": str(found[0][1])}
         if uploads is None:
             return JSONResponse({"model": self.name, **one_result(found[0][0])}, headers=headers)
@@ -248,15 +247,6 @@ async def form_files(request: Request, body: bytes) -> list[tuple[str, bytes]]:
     if not files:
         raise ClientError(400, "the multipart/form-data body has no file part: each image is one")
     return files
-
-
-def above(detections, threshold: float):
-    """`detections` (found at threshold 0) kept at `threshold`, as `Detector.predict` keeps them."""
-    kept = detections.scores >= threshold
-    arrays = {k: getattr(detections, k)[kept] for k in ("boxes", "scores", "labels", "queries")}
-    names = [name for name, keep in zip(detections.names, kept, strict=True) if keep]
-    attention = None if detections.attention is None else {k: v[kept] for k, v in detections.attention.items()}
-    return dataclasses.replace(detections, **arrays, names=names, attention=attention)
 
 
 def one_result(detections) -> dict:
