@@ -88,6 +88,16 @@ def recorded_size(info: dict):
     return (int(width), int(height)) if _is_number(width) and _is_number(height) else None
 
 
+def image_size(image_dir, info: dict, exif_orientation: str = "auto") -> tuple[int, int]:
+    """(width, height) of an image: the annotation file's, else its header's in the frame it is read in
+    (FileNotFoundError or UnreadableImageError where it cannot be had)."""
+    recorded = recorded_size(info)
+    if recorded is not None:
+        return recorded
+    with ImageFile(Path(image_dir) / info["file_name"]) as header:
+        return header.size_in(header.frame_for(None, exif_orientation))
+
+
 class CocoDetection:
     """`root/{split}2017/` images and `root/annotations/instances_{split}2017.json`. Crowd boxes are
     dropped, boxes clipped to the image, degenerate boxes removed (as the authors). An EXIF-tagged
@@ -133,15 +143,7 @@ class CocoDetection:
     def image_sizes(self) -> list[tuple[int, int]]:
         """(width, height) of every image, from the annotation file (or the image's header, in the
         frame it is read in)."""
-        sizes = []
-        for image_id in self.ids:
-            info = self.coco.imgs[image_id]
-            recorded = recorded_size(info)
-            if recorded is None:
-                with ImageFile(self.image_dir / info["file_name"]) as header:
-                    recorded = header.size_in(header.frame_for(None, self.exif_orientation))
-            sizes.append(recorded)
-        return sizes
+        return [image_size(self.image_dir, self.coco.imgs[i], self.exif_orientation) for i in self.ids]
 
     def read_image(self, image_id):
         """The image `image_id` decoded as RGB in the frame its recorded size names (a BadImageError

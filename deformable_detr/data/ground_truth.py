@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from .coco import dropped_reason, recorded_size
-from .images import ImageFile, UnreadableImageError
+from .coco import dropped_reason, image_size
+from .images import UnreadableImageError
 from .in_memory import coco_from_dict
 
 DROP_REASONS = ("zero size", "outside the image")  # dropped_reason's answers, in the order reported
@@ -43,16 +43,11 @@ class BoxCounts:
         return {"boxes": self.boxes, "crowd": self.crowd, "dropped": {r: self.dropped[r] for r in DROP_REASONS}}
 
 
-def image_size(dataset, info: dict) -> tuple[float, float]:
-    """(width, height) the annotation file records for the image, else its header's in the frame the
-    dataset reads it in; unbounded where neither can be had (an unreadable image: only a box of zero
-    size is known to be dropped then)."""
-    recorded = recorded_size(info)
-    if recorded is not None:
-        return recorded
+def image_bounds(dataset, info: dict) -> tuple[float, float]:
+    """`coco.image_size` of the image; unbounded where it cannot be had (an unreadable image: only a box
+    of zero size is known to be dropped then)."""
     try:
-        with ImageFile(dataset.image_dir / info["file_name"]) as header:
-            return header.size_in(header.frame_for(None, getattr(dataset, "exif_orientation", "auto")))
+        return image_size(dataset.image_dir, info, getattr(dataset, "exif_orientation", "auto"))
     except (FileNotFoundError, UnreadableImageError):
         return math.inf, math.inf
 
@@ -72,7 +67,7 @@ def box_counts(dataset) -> BoxCounts:
             counts.crowd += 1
             continue
         if info["id"] not in sizes:
-            sizes[info["id"]] = image_size(dataset, info)
+            sizes[info["id"]] = image_bounds(dataset, info)
         reason = dropped_reason(annotation["bbox"], *sizes[info["id"]])
         if reason is None:
             counts.boxes += 1
