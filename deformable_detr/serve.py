@@ -1,12 +1,18 @@
 """Serve a model over HTTP: detections as JSON, images of concurrent requests run as one batch.
 
     python -m deformable_detr.serve --checkpoint W [--config C] [--host 127.0.0.1] [--port 8000]
-        [--max-batch 8] [--max-wait-ms 10] [--max-queue 64] [--max-body-mb 20]
+        [--max-batch 8] [--max-wait-ms 10] [--max-queue 64] [--max-body-mb 20] [--max-megapixels 128]
+        [--read-timeout-s 10] [--shutdown-timeout-s 20]
 
 W: any weights `Detector.load` takes (a checkpoint, converted weights, hf://ORG/NAME). The routes
 (POST /v1/detect, GET /v1/model, /v1/stats, /healthz, the page at /) are deformable_detr/serving/app.py's.
-It listens on this machine alone unless --host says otherwise; there is no authentication. SIGTERM or
-Ctrl-C: requests under way complete, new ones are refused, exit status 0. Needs the `serve` extra."""
+It listens on this machine alone unless --host says otherwise; there is no authentication. What a client
+can hold is bounded: a connection whose headers are not all in within --read-timeout-s, or whose body
+stalls that long between two chunks, is closed (counted in /v1/stats' timeouts); the images held decoded at
+once (decoding, queued, in a forward) count at most --max-megapixels, reserved from their headers before
+decoding (503 with Retry-After while others hold the budget, 413 for a request over all of it). SIGTERM or
+Ctrl-C: new requests are refused, those under way complete within --shutdown-timeout-s (then they are
+cancelled and the process ends after the forward under way), exit status 0. Needs the `serve` extra."""
 
 import ipaddress
 import signal
@@ -27,24 +33,42 @@ def parse_args(argv=None):
     parser.add_argument("--max-wait-ms", type=float, default=10, help="how long an image waits for others to join")
     parser.add_argument("--max-queue", type=int, default=64, help="images waiting, at most; more: 503 Retry-After")
     parser.add_argument("--max-body-mb", type=float, default=20, help="a request's body, at most (413 beyond)")
+    parser.add_argument(
+        "--max-megapixels",
+        type=float,
+        default=128,
+        help="decoded pixels held at once, in millions (8 bytes each while decoding; with alpha or 16 bits 3 "
+        "times, 32 bits 5); 503 beyond",
+    )
+    parser.add_argument(
+        "--read-timeout-s", type=float, default=10, help="a request's headers, and each gap in its body, at most"
+    )
+    parser.add_argument(
+        "--shutdown-timeout-s", type=float, default=20, help="after SIGTERM, how long requests under way may take"
+    )
     args = parser.parse_args(argv)
     for option, value, least in [("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1)]:
         if value < least:
             raise UsageError(f"{option} {value}: must be at least {least}")
     if args.max_wait_ms < 0 or args.max_body_mb <= 0 or not 0 <= args.port <= 65535:
         raise UsageError("--max-wait-ms must be at least 0, --max-body-mb above 0 and --port 0 to 65535")
+    for option in ("--max-megapixels", "--read-timeout-s", "--shutdown-timeout-s"):
+        value = getattr(args, option[2:].replace("-", "_"))
+        if not 0 < value < float("inf"):
+            raise UsageError(f"{option} {value:g}: must be above 0")
     return args
 
 
 def server_modules():
-    """(uvicorn, create_app), or a CommandError naming the extra that installs them."""
+    """(uvicorn, create_app, with_header_deadline), or a CommandError naming the extra that installs them."""
     try:
         import uvicorn
 
         from .serving.app import create_app
+        from .serving.connections import with_header_deadline
     except ImportError as missing:
         raise CommandError(f"serve needs {missing.name}, in the serve extra: {install_hint('serve')}") from None
-    return uvicorn, create_app
+    return uvicorn, create_app, with_header_deadline
 
 
 def is_loopback(host: str) -> bool:
@@ -62,16 +86,34 @@ def stop_quietly(signum, frame):
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
-    uvicorn, create_app = server_modules()
+    uvicorn, create_app, with_header_deadline = server_modules()
     detector = Detector.load(args.checkpoint, args.config)
-    app = create_app(detector, args.max_batch, args.max_wait_ms, args.max_queue, args.max_body_mb)
+    app = create_app(
+        detector,
+        args.max_batch,
+        args.max_wait_ms,
+        args.max_queue,
+        args.max_body_mb,
+        max_megapixels=args.max_megapixels,
+        read_timeout=args.read_timeout_s,
+    )
     if not is_loopback(args.host):
         print(
             f"listening on {args.host}:{args.port}, beyond this machine: whoever reaches it can use the model "
             "(no authentication; --host 127.0.0.1 keeps it here)",
             file=sys.stderr,
         )
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    # The h11 protocol, whatever else is installed (httptools): the header deadline is written for it.
+    protocol = with_header_deadline(args.read_timeout_s, app.state.service.count_timeout)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        http=protocol,
+        timeout_graceful_shutdown=args.shutdown_timeout_s,
+    )
+    server = uvicorn.Server(config)
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, stop_quietly)
     server.run()

@@ -123,7 +123,8 @@ def _unidentified(name, head: bytes) -> NotAnImageError:
 
 class ImageFile:
     """An image file's header: `format`, `mode`, `stored_size` (width, height of the pixels as stored),
-    `orientation` (EXIF, 1-8; 1 where there is none or it is not one of those) and `displayed_size`.
+    `orientation` (EXIF, 1-8; 1 where there is none or it is not one of those), `displayed_size` and
+    `transparency` (a transparent colour declared, as palette images do).
     Opening reads the header alone; `rgb` decodes. A context manager (the file stays open until
     closed, or until `rgb` has decoded it)."""
 
@@ -144,6 +145,7 @@ class ImageFile:
         except (OSError, SyntaxError, ValueError) as error:
             raise UnreadableImageError(f"{self.path}: cannot read image: {error}") from None
         self.format, self.mode, self.stored_size = self._image.format, self._image.mode, self._image.size
+        self.transparency = "transparency" in self._image.info  # a transparent colour (RGBA etc.: the mode says)
         self.orientation = self._orientation()
 
     def _orientation(self) -> int:

@@ -32,11 +32,15 @@ def hflip(image, target):
 
 
 def resized_shape(width, height, size, max_size=None):
-    """(height, width) with the shorter side `size` (shrunk so the longer side stays <= max_size)."""
+    """(height, width) with the shorter side `size` (shrunk so the longer side stays <= max_size). Each side
+    is at least one pixel: where the shrunk shorter side rounds to 0 (an image over 2 * max_size times
+    longer than wide), it is 1 and the longer side max_size."""
     if max_size is not None:
         short, long = float(min(width, height)), float(max(width, height))
         if long / short * size > max_size:
             size = int(round(max_size * short / long))
+            if size < 1:
+                return (max_size, 1) if width < height else (1, max_size)
     if (width <= height and width == size) or (height <= width and height == size):
         return height, width
     if width < height:

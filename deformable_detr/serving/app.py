@@ -6,17 +6,31 @@
                         or {"model", "results": [{"filename", "image", "detections"}, ...]};
                         header X-Batch-Size: the forward batch the (first) image ran in
     GET /v1/model    the model: name, classes, queries, layers, heads, levels, points, val_size, max_size
-    GET /v1/stats    requests, images, batches, batch_sizes {size: count}, queued, errors
+    GET /v1/stats    requests, images, batches, batch_sizes {size: count}, queued, megapixels (held now),
+                     errors (answers 4xx or 5xx), disconnects (clients gone before their answer), timeouts
+                     (stalled: headers or a body not in within the read timeout, closed)
     GET /healthz     200 {"status": "ok"} once the model has run a warm-up forward, else 503
     GET /            static/index.html (the page), where it is there
 
-Every error is a one-line JSON {"error": "..."} with its status: 400 a bad query value or an empty body,
-413 a body over max_body_mb or an image over Pillow's pixel limit, 415 not an image, 422 an image whose
-data is truncated or corrupt, 503 a full queue (with Retry-After) or a server shutting down."""
+Every error is a one-line JSON {"error": "..."} with its status, quoting at most 40 characters of what a
+client sent: 400 a bad query value or an empty body, 405 another method (with Allow), 408 a body stalled
+over read_timeout between two chunks (the connection closed), 413 a body over max_body_mb, an image over
+Pillow's pixel limit or images over the whole pixel budget, 415 not an image, 422 an image whose data is
+truncated or corrupt, 503 a full queue or a pixel budget taken by other requests (both with Retry-After),
+or a server shutting down. Query values are ASCII: threshold a decimal in [0, 1] ("0.3", ".3", "1"; no
+sign, exponent, nan), attention_layer an integer (-1 the last layer), each key once. The pixel budget
+(max_megapixels) counts the images held decoded at once, decoding, queued and in a forward: a request's
+images are counted from their headers before any is decoded and given back once it is answered. A
+multipart request is answered whole or not at all: one bad part fails it with that part's status, the
+message naming the part (its number and filename). Every answer carries X-Content-Type-Options: nosniff
+(`NoSniff`); the page, a Content-Security-Policy that runs its own inline script and style alone
+(`page_policy`): names are data, in the page as in the JSON."""
 
 import asyncio
+import base64
 import contextlib
-import math
+import hashlib
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,26 +39,38 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
 from .batcher import Batcher, Closed, QueueFull
-from .uploads import ClientError, decode
+from .uploads import ClientError, OverBudget, PixelBudget, decode, pixels, quoted, read_header
 
 PAGE = Path(__file__).parent / "static" / "index.html"
-RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
+RETRY_AFTER_S = 1  # what a 503 for a full queue or a taken pixel budget asks the client to wait
+THRESHOLD = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # ASCII digits alone (str.isdigit takes '²')
+LAYER = re.compile(r"-?[0-9]{1,6}")
 TRUE, FALSE = ("1", "true"), ("0", "false")
 QUERY_KEYS = ("threshold", "attention", "attention_layer")
 
 
 def create_app(
-    detector, max_batch: int = 8, max_wait_ms: float = 10, max_queue: int = 64, max_body_mb: float = 20, name=None
+    detector,
+    max_batch: int = 8,
+    max_wait_ms: float = 10,
+    max_queue: int = 64,
+    max_body_mb: float = 20,
+    name=None,
+    max_megapixels: float = 128,
+    read_timeout: float = 10,
 ) -> Starlette:
     """The app serving `detector` (`Detector`); `name`: the model's name in answers (default: its
-    weights' file or hf:// name). The batcher's worker starts (and warms up) with the app's lifespan
-    and, at shutdown, runs what is queued before it stops."""
-    service = DetectionService(detector, max_batch, max_wait_ms / 1000, max_queue, max_body_mb, name)
+    weights' file or hf:// name); `read_timeout`: seconds a body may stall between two chunks (408). The
+    batcher's worker starts (and warms up) with the app's lifespan and, at shutdown, runs what is queued
+    before it stops."""
+    service = DetectionService(
+        detector, max_batch, max_wait_ms / 1000, max_queue, max_body_mb, name, max_megapixels, read_timeout
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -61,8 +87,46 @@ def create_app(
     ]
     handlers = {HTTPException: http_error, Exception: server_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    # Around Starlette's whole stack: its registered middleware sits inside ServerErrorMiddleware, whose 500s
+    # would go out without the header.
+    app.middleware_stack = NoSniff(app.build_middleware_stack())
     app.state.service = service
     return app
+
+
+class NoSniff:
+    """ASGI middleware: `X-Content-Type-Options: nosniff` on every answer, so that no browser takes an answer
+    (JSON quoting class names or what a client sent) for HTML or script."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def send_nosniff(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-content-type-options", b"nosniff")]
+            await send(message)
+
+        await self.app(scope, receive, send_nosniff if scope["type"] == "http" else send)
+
+
+INLINE_ELEMENT = re.compile(r"<(script|style)\b[^>]*>(.*?)</\1\s*>", re.DOTALL | re.IGNORECASE)
+
+
+def page_policy(html: str) -> str:
+    """The page's Content-Security-Policy: its own inline <script> and <style> elements run and apply, by
+    their SHA-256 (of the text the browser hashes: line ends as its HTML parser makes them), fetch() to this
+    server; nothing else: no other or injected script, no inline handler or style attribute, no plugin,
+    image, frame, <base> or form target, and no page may frame it."""
+    hashes = {"script": [], "style": []}
+    for tag, text in INLINE_ELEMENT.findall(html):
+        digest = hashlib.sha256(text.replace("\r\n", "\n").replace("\r", "\n").encode()).digest()
+        hashes[tag.lower()].append(f"'sha256-{base64.b64encode(digest).decode()}'")
+    sources = {tag: " ".join(found) or "'none'" for tag, found in hashes.items()}
+    return (
+        f"default-src 'none'; script-src {sources['script']}; style-src {sources['style']}; connect-src 'self'; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
 
 
 def error(status: int, message: str, headers=None) -> JSONResponse:
@@ -70,7 +134,8 @@ def error(status: int, message: str, headers=None) -> JSONResponse:
 
 
 async def http_error(request, exc: HTTPException) -> JSONResponse:
-    return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    """404, 405 (with Starlette's Allow header) and the like, naming the method and path asked."""
+    return error(exc.status_code, f"{request.method} {quoted(request.url.path)}: {exc.detail}", exc.headers)
 
 
 async def server_error(request, exc: Exception) -> JSONResponse:
@@ -80,14 +145,21 @@ async def server_error(request, exc: Exception) -> JSONResponse:
 class DetectionService:
     """The routes' handlers over one `Detector` and its `Batcher`, with the counts /v1/stats reports."""
 
-    def __init__(self, detector, max_batch, max_wait, max_queue, max_body_mb, name=None):
+    def __init__(
+        self, detector, max_batch, max_wait, max_queue, max_body_mb, name=None, max_megapixels=128, read_timeout=10
+    ):
         self.detector, self.max_body = detector, int(max_body_mb * 1024 * 1024)
         # Loaded weights may still be lazy on the loading thread's MLX stream, which the worker cannot use:
         # computed here, on that thread (MLX streams belong to the thread that made them).
         mx.eval(detector.model.parameters())
         self.name = name or model_name(detector.source)
         self.batcher = Batcher(self.run, max_batch, max_wait, max_queue)
-        self.requests = self.images = self.errors = 0
+        self.budget, self.read_timeout = PixelBudget(int(max_megapixels * 1e6)), read_timeout
+        self.requests = self.images = self.errors = self.disconnects = self.timeouts = 0
+
+    def count_timeout(self) -> None:
+        """A connection closed for stalling (the body's here, the headers' in serving/connections.py)."""
+        self.timeouts += 1
 
     def warm_up(self) -> None:
         """On the worker, before any batch: its own MLX stream (another thread's cannot run there; without
@@ -115,21 +187,30 @@ class DetectionService:
         self.requests += 1
         try:
             response = await self._detect(request)
+        except ClientDisconnect:
+            response = None
         except ClientError as failure:
-            response = error(failure.status, failure)
-        except QueueFull as full:
+            close = {"Connection": "close"} if failure.status in (408, 413) else None  # the body left unread
+            response = error(failure.status, failure, close)
+        except (QueueFull, OverBudget) as full:
             response = error(503, full, {"Retry-After": str(RETRY_AFTER_S)})
         except Closed as closed:
             response = error(503, closed)
         except Exception as failure:  # noqa: BLE001  (the model failed on this batch: 500; the server goes on)
             response = await server_error(request, failure)
-        if response.status_code >= 400:
+        self.budget.return_memory()  # the request's decoded images are unreferenced by now
+        if response is None or await request.is_disconnected():
+            self.disconnects += 1  # nobody to answer: not the server's error nor the request's
+            return response or error(400, "the client disconnected before its answer")
+        if response.status_code == 408:
+            self.timeouts += 1
+        elif response.status_code >= 400:
             self.errors += 1
         return response
 
     async def _detect(self, request: Request) -> JSONResponse:
         threshold, layer = detect_options(request.query_params, self.detector.cfg.model.dec_layers)
-        body = await read_body(request, self.max_body)
+        body = await read_body(request, self.max_body, self.read_timeout)
         content_type = request.headers.get("content-type", "")
         uploads = await form_files(request, body) if content_type.startswith("multipart/form-data") else None
         named = uploads if uploads is not None else [("the body", body)]
@@ -137,17 +218,28 @@ class DetectionService:
             raise ClientError(
                 413, f"{len(named)} images in one request: at most {self.batcher.max_queue} (--max-queue)"
             )
-        images = [await run_in_threadpool(decode, data, filename) for filename, data in named]
+        if uploads is not None:  # messages name the part: its number and (a short prefix of) its filename
+            named = [(f"part {i} ({quoted(filename)})", data) for i, (filename, data) in enumerate(named, 1)]
+        headers = [await run_in_threadpool(read_header, data, name) for name, data in named]
+        with self.budget.reserved(sum(pixels(header) for header in headers)):
+            return await self._answer(uploads, headers, threshold, layer)
+
+    async def _answer(self, uploads, headers: list, threshold: float, layer) -> JSONResponse:
+        """The answer to a request whose images' pixels are reserved: decoded, run, kept at `threshold`."""
+        images = []
+        for header in headers:
+            images.append(await run_in_threadpool(decode, header))
         keys = [(self.detector.batch_key(image), layer) for image in images]
         futures = self.batcher.submit(list(zip(images, keys, strict=True)))
+        del images  # the worker's now, freed once run: before the answer, so that return_memory finds them gone
         answers = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
-        self.images += len(images)
+        self.images += len(futures)
         found = [(detections.at_threshold(threshold), size) for detections, size in answers]
-        headers = {"X-Batch-Size": str(found[0][1])}
+        batch = {"X-Batch-Size": str(found[0][1])}
         if uploads is None:
-            return JSONResponse({"model": self.name, **one_result(found[0][0])}, headers=headers)
-        results = [{"filename": filename, **one_result(d)} for (filename, _), (d, _) in zip(named, found, strict=True)]
-        return JSONResponse({"model": self.name, "results": results}, headers=headers)
+            return JSONResponse({"model": self.name, **one_result(found[0][0])}, headers=batch)
+        results = [{"filename": name, **one_result(d)} for (name, _), (d, _) in zip(uploads, found, strict=True)]
+        return JSONResponse({"model": self.name, "results": results}, headers=batch)
 
     async def model(self, request: Request) -> JSONResponse:
         model, data = self.detector.cfg.model, self.detector.cfg.data
@@ -175,7 +267,10 @@ class DetectionService:
                 "batches": sum(sizes.values()),
                 "batch_sizes": {str(size): count for size, count in sizes.items()},
                 "queued": self.batcher.queued,
+                "megapixels": self.budget.megapixels,
                 "errors": self.errors,
+                "disconnects": self.disconnects,
+                "timeouts": self.timeouts,
             }
         )
 
@@ -186,40 +281,50 @@ class DetectionService:
 
     async def page(self, request: Request):
         if PAGE.is_file():
-            return FileResponse(PAGE, media_type="text/html")
+            html = PAGE.read_text(encoding="utf-8")  # at each request: the policy's hashes are those of what is sent
+            return HTMLResponse(html, headers={"Content-Security-Policy": page_policy(html)})
         return error(404, "no page: deformable_detr/serving/static/index.html is not there (the API is under /v1/)")
 
 
 def detect_options(query, decoder_layers: int) -> tuple[float, int | None]:
-    """-> (threshold, the decoder layer whose sampling points are asked, 0 to layers - 1, or None)."""
+    """-> (threshold, the decoder layer whose sampling points are asked, 0 to layers - 1, or None), read
+    strictly: ASCII forms alone, each key once (the module's docstring)."""
     unknown = sorted(set(query) - set(QUERY_KEYS))
     if unknown:
-        raise ClientError(400, f"unknown query parameter {unknown[0]!r}: expected {', '.join(QUERY_KEYS)}")
-    try:
-        threshold = float(query.get("threshold", "0.5"))
-    except ValueError:
-        threshold = math.nan
-    if not math.isfinite(threshold):
-        raise ClientError(400, f"threshold {query['threshold']!r}: expected a number")
-    attention = query.get("attention", "0").lower()
-    if attention not in TRUE + FALSE:
-        raise ClientError(400, f"attention {query['attention']!r}: expected 1, true, 0 or false")
+        raise ClientError(400, f"unknown query parameter {quoted(unknown[0])}: expected {', '.join(QUERY_KEYS)}")
+    repeated = [key for key in QUERY_KEYS if len(query.getlist(key)) > 1]
+    if repeated:
+        raise ClientError(400, f"query parameter {repeated[0]} given more than once: give it once")
+    threshold = query.get("threshold", "0.5")
+    if not THRESHOLD.fullmatch(threshold) or not 0 <= float(threshold) <= 1:
+        raise ClientError(400, f"threshold {quoted(threshold)}: expected a decimal from 0 to 1, such as 0.3")
+    attention = query.get("attention", "0")
+    if attention.lower() not in TRUE + FALSE or not attention.isascii():
+        raise ClientError(400, f"attention {quoted(attention)}: expected 1, true, 0 or false")
     layer = query.get("attention_layer", "-1")
-    if not layer.lstrip("-").isdigit() or not -decoder_layers <= int(layer) < decoder_layers:
+    if not LAYER.fullmatch(layer) or not -decoder_layers <= int(layer) < decoder_layers:
         layers = f"{decoder_layers} decoder layers (0 to {decoder_layers - 1}, or -1: the last)"
-        raise ClientError(400, f"attention_layer {layer!r}: the model has {layers}")
-    return threshold, int(layer) % decoder_layers if attention in TRUE else None
+        raise ClientError(400, f"attention_layer {quoted(layer)}: the model has {layers}")
+    return float(threshold), int(layer) % decoder_layers if attention.lower() in TRUE else None
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The body, refused (413) before it is read where Content-Length is over `limit` bytes, else as soon
-    as what has come passes it."""
+    as what has come passes it; 408 where the client sends nothing for `timeout` seconds before it is all
+    in (a client that stalls holds no connection for longer). ClientDisconnect where the client leaves."""
     declared = request.headers.get("content-length", "")
     too_big = f"the body is over the server's limit of {limit / 1024 / 1024:g} MB (--max-body-mb)"
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise ClientError(413, too_big)
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = aiter(request.stream())
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
+            raise ClientError(408, f"the body stalled: nothing came for {timeout:g} s (--read-timeout-s)") from None
         size += len(chunk)
         if size > limit:
             raise ClientError(413, too_big)

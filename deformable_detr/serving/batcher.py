@@ -8,7 +8,8 @@
 `run(images, key)` gets images of one `key` (jobs of different keys never share a batch) and returns a
 result per image. The worker alone calls `run` and `warm_up`: MLX is touched by this one thread while
 serving. A batch starts when `max_batch` images of the first waiting image's key are queued, or
-`max_wait` seconds after that image arrived, whichever is first; the others wait their turn in order."""
+`max_wait` seconds after that image arrived, whichever is first; the others wait their turn in order.
+A future cancelled before its batch runs (its request cancelled) takes its image out of that batch."""
 
 import collections
 import threading
@@ -112,12 +113,22 @@ class Batcher:
         return [job for job in self._jobs if job.key == key]
 
     def _run(self, batch: list[Job]) -> None:
+        # A request cancelled while its images waited (its client gone, or the server's shutdown timeout
+        # over) cancels their futures: those images are not run.
+        batch = [job for job in batch if job.future.set_running_or_notify_cancel()]
+        if not batch:
+            return
+        images = [job.image for job in batch]
+        for job in batch:
+            job.image = None  # the images are freed once run, before their requests are answered
         try:
-            results = self.run([job.image for job in batch], batch[0].key)
+            results = self.run(images, batch[0].key)
         except Exception as error:  # noqa: BLE001  (the requests of this batch fail; the worker goes on)
+            del images
             for job in batch:
                 job.future.set_exception(error)
             return
+        del images
         with self._changed:  # read by the stats route on another thread
             self.batch_sizes[len(batch)] += 1
         for job, result in zip(batch, results, strict=True):
