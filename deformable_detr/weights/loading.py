@@ -18,14 +18,15 @@ from .hub import local_weights
 CLASS_HEAD = re.compile(r"class_embed\.\d+\.(weight|bias)$")
 
 
-def open_weights(reference, raw: bool = False) -> WeightsFile:
-    """A weights file, or `hf://ORG/NAME[@REVISION]` (converted once, `hub.local_weights`)."""
-    return read_weights(local_weights(reference), raw)
+def open_weights(reference, raw: bool = False, verify: bool = True) -> WeightsFile:
+    """A weights file, or `hf://ORG/NAME[@REVISION]` (converted once, `hub.local_weights`); `verify`:
+    as `read_weights`."""
+    return read_weights(local_weights(reference), raw, verify)
 
 
-def open_model_weights(reference, raw: bool = False) -> WeightsFile:
+def open_model_weights(reference, raw: bool = False, verify: bool = True) -> WeightsFile:
     """`open_weights` of a whole Deformable DETR (not, say, backbone-only weights): else an error naming it."""
-    weights = open_weights(reference, raw)
+    weights = open_weights(reference, raw, verify)
     if "class_embed.0.weight" not in weights.tensors or "transformer.level_embed" not in weights.tensors:
         raise ValueError(
             f"{reference}: not Deformable DETR weights (no class_embed.0.weight / transformer.level_embed)"
@@ -56,7 +57,7 @@ def config_from_weights(path, overrides=()) -> Config:
     """The config a weights file says its model has, for commands given no --config: a training
     checkpoint's own; for converted weights, the authors' configs/ file they match with their model
     options; then `overrides`. Weights that say neither: a UsageError asking for --config."""
-    weights = open_model_weights(path)
+    weights = open_model_weights(path, verify=False)  # its header alone: the tensors are checked where read
     if weights.config is not None:
         return load_config(None, overrides, base=weights.config, base_source=f"{path}'s config")
     if weights.model_options is not None:
