@@ -5,7 +5,11 @@ known key.
 A config file is a path, or the name of a config shipped in the package (`r50`, `shapes`, ...:
 `deformable_detr/configs/`, which a checkout's `configs/` links to), so `--config shapes` works in
 any folder. Relative paths inside a config (`data.path`, `data.coco_path`) are relative to the
-current directory, where the command runs (as the quick start's `data/shapes`), not to the file."""
+current directory, where the command runs (as the quick start's `data/shapes`), not to the file.
+
+A run's config.yaml is the config it started with and, where `train.py --resume --allow-change`
+changed it, `changes:`, each a `{from_global_step: N, section.key: [old, new], ...}`: a file is read
+with its changes applied, the config in effect last."""
 
 import dataclasses
 import difflib
@@ -142,27 +146,80 @@ class Config:
     seed: int = 42
 
 
+# How a change of each key on `train.py --resume` (training/resume_check.py) bears on the run the
+# checkpoint continues. TRAINS: what is trained or in what order (refused without --allow-change KEY).
+# RUNS: how it runs, not what (noted): workers, cadences, memory, where it stops (max_steps, the
+# patience; epochs, the schedule's length, is the recipe's: TRAINS), the micro-batch (the same
+# gradients accumulated to the same step, summed in another order: the last bits). DATA: where the
+# data set is, RUNS where both values name one place, else TRAINS. tests/test_resume_config.py checks
+# that every key is here.
+TRAINS, RUNS, DATA = "trains", "runs", "data"
+CHANGES_KEY = "changes"  # config.yaml's history of a resumed run's changes (load_config)
+_MODEL_KEYS = ("backbone", "backbone_width", "dilation", "num_feature_levels", "hidden_dim", "nheads", "enc_layers")
+_MODEL_KEYS += ("dec_layers", "dim_feedforward", "dropout", "enc_n_points", "dec_n_points", "num_queries")
+_MODEL_KEYS += ("num_classes", "with_box_refine", "two_stage", "aux_loss")
+_OPTIMIZER_KEYS = ("lr", "lr_backbone", "freeze_stem_and_layer1", "lr_linear_proj_mult", "lr_linear_proj_names")
+_OPTIMIZER_KEYS += ("weight_decay", "clip_max_norm")
+RESUME_EFFECTS = {
+    **{f"model.{key}": TRAINS for key in _MODEL_KEYS},
+    **{f"matcher.{key}": TRAINS for key in ("set_cost_class", "set_cost_bbox", "set_cost_giou")},
+    **{f"loss.{key}": TRAINS for key in ("cls_loss_coef", "bbox_loss_coef", "giou_loss_coef", "focal_alpha")},
+    **{f"optimizer.{key}": TRAINS for key in _OPTIMIZER_KEYS},
+    **{f"schedule.{key}": TRAINS for key in ("epochs", "lr_drop", "batch_size")},
+    "schedule.micro_batch_size": RUNS,
+    "data.dataset": TRAINS,
+    "data.path": DATA,
+    "data.coco_path": DATA,
+    "data.num_workers": RUNS,
+    "data.prefetch": RUNS,
+    **{f"data.{key}": TRAINS for key in ("scales", "max_size", "crop_resize", "crop_size", "exif_orientation")},
+    "data.val_size": TRAINS,  # the evaluations, hence the best checkpoint and early stopping
+    "data.skip_bad_images": RUNS,  # what an unreadable image's stop says to resume with
+    **{f"train.{key}": RUNS for key in ("max_steps", "check_sampling_offsets", "checkpoint_every", "log_every")},
+    **{f"train.{key}": RUNS for key in ("eval_every", "activation_checkpointing", "memory_limit_gb")},
+    **{f"train.{key}": RUNS for key in ("early_stop_patience", "tensorboard")},
+    **{f"train.{key}": TRAINS for key in ("precision", "ema_decay", "ema_warmup")},
+    "evaluation.backend": RUNS,  # the same numbers
+    "seed": TRAINS,
+}
+
+
 def load_config(path=None, overrides=(), base: dict | None = None, base_source: str = "") -> Config:
     """Defaults, then `base` (a config as a dict, e.g. a checkpoint's, named `base_source`), then the
-    YAML file at `path` (if any), then `section.key=value` overrides. Anything wrong in them is a
-    UsageError naming the file (and line) or override, the key and the value."""
+    YAML file at `path` (if any; its `changes:` applied in order), then `section.key=value` overrides.
+    Anything wrong in them is a UsageError naming the file (and line) or override, the key and the value."""
     cfg = Config()
     if base is not None:
         _merge(cfg, base, base_source, "")
     if path is not None:
-        _merge(cfg, _read_yaml(Path(path)), str(path), "")
+        data = _read_yaml(Path(path))
+        changes = data.pop(CHANGES_KEY, [])
+        _merge(cfg, data, str(path), "")
+        for change in changes if isinstance(changes, list) else [changes]:
+            step = change.get("from_global_step") if isinstance(change, dict) else None
+            pairs = {k: v for k, v in change.items() if k != "from_global_step"} if step is not None else {}
+            if not pairs or not all(isinstance(pair, list) and len(pair) == 2 for pair in pairs.values()):
+                expected = "{from_global_step: N, section.key: [old, new], ...}"
+                raise UsageError(f"{path}: {CHANGES_KEY}: expected a list of {expected}, got {change!r}")
+            for key, (_, value) in pairs.items():
+                _merge(cfg, nested_key(key, value), f"{path}: {CHANGES_KEY} from global step {step}", "")
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise UsageError(f"override {override!r}: expected section.key=value")
         try:
-            nested = yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError as error:
             raise UsageError(f"override {override!r}: {value!r} is not a YAML value ({_problem(error)})") from None
-        for part in reversed(key.split(".")):
-            nested = {part: nested}
-        _merge(cfg, nested, "override", "")
+        _merge(cfg, nested_key(key, parsed), "override", "")
     return cfg
+
+
+def nested_key(key: str, value) -> dict:
+    """`section.key`, value -> {section: {key: value}}."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
 
 
 def shipped_configs() -> list[str]:
@@ -262,6 +319,16 @@ def _allowed(value, allowed: dict, where: str):
 
 def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def flat_config(cfg: Config) -> dict:
+    """{section.key: value} of every key (`RESUME_EFFECTS`' keys)."""
+
+    def flat(values: dict, prefix: str):
+        for key, value in values.items():
+            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+
+    return dict(flat(config_to_dict(cfg), ""))
 
 
 def model_overrides(options: dict) -> list[str]:

@@ -1,6 +1,6 @@
 """Train Deformable DETR.
 
-    deformable-detr train --config r50 [--output-dir DIR] [--resume [CKPT] | --overwrite]
+    deformable-detr train --config r50 [--output-dir DIR] [--resume [CKPT] [--allow-change KEY] | --overwrite]
                           [--eval-only] [--weights W | --finetune W] [section.key=value ...]
 
 (also `python -m deformable_detr.train`, or a checkout's `python train.py`). --config: a YAML file, or a
@@ -10,6 +10,13 @@ The output directory has one owner: a second run into it stops at once. A fresh 
 holding a checkpoint stops before writing anything: `--resume` continues that checkpoint (the same
 command, relaunched after a preemption, carries on; with none there, it starts afresh), `--overwrite`
 starts afresh, removing the earlier run's files once the new run is set up.
+
+--resume compares the config with the checkpoint's (`training/resume_check.py`; config.py's
+RESUME_EFFECTS classes every key): a change of what is trained or in what order (seed, batch size,
+schedule, optimizer, model, data set, augmentation, precision, EMA) stops the run before anything is
+built, naming each key with both values, unless `--allow-change KEY` (repeated, or comma-separated)
+allows it; the others (workers, cadences, memory, the stop, the data set's path spelled another way)
+are noted. config.yaml and the checkpoints keep each change with the global step it holds from.
 
 --finetune W starts from a whole model of any number of classes (converted weights or a checkpoint
 of this script): the class heads are rebuilt for this dataset's classes, each row whose category
@@ -33,6 +40,7 @@ from .errors import UsageError
 from .inference.evaluation import evaluate, evaluation_batch_size, per_class_table
 from .models import build_model
 from .training.engine import Progress, fit
+from .training.resume_check import allowed_changes
 from .training.run_directory import RESUME_HERE, RunDirectory
 from .training.tensorboard import require_tensorboard
 from .training.trainer import Trainer, process_share
@@ -51,6 +59,13 @@ def parse_args(argv=None):
         metavar="CHECKPOINT",
         help="continue a run from CHECKPOINT; without it, from the output directory's (a fresh run where it has none)",
     )
+    parser.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: let KEY (section.key; repeated, or comma-separated) change what is trained",
+    )
     parser.add_argument("--overwrite", action="store_true", help="start afresh where a run's checkpoint is")
     starts = parser.add_mutually_exclusive_group()
     starts.add_argument("--weights", help="start from these weights (e.g. convert --backbone-only)")
@@ -64,6 +79,9 @@ def parse_args(argv=None):
         before = tokens[: tokens.index(args.resume)]
         args.overrides.insert(sum(token in args.overrides for token in before), args.resume)
         args.resume = RESUME_HERE
+    if args.allow_change and args.resume is None:
+        parser.error("--allow-change: only with --resume (it names the keys a resumed run may change)")
+    args.allow_change = allowed_changes(args.allow_change)
     return args
 
 
@@ -116,7 +134,7 @@ def main(argv=None):
         if args.eval_only:
             return evaluate_only(args, cfg, train_set.class_names(), run)
         run.claim()  # before anything is written: a second run into the directory stops here
-        train(args, cfg, group, train_set, run, run.starting_point(args.resume, args.overwrite))
+        train(args, cfg, group, train_set, run, run.starting_point(args.resume, args.overwrite, args.allow_change))
 
 
 def train(args, cfg, group, train_set, run: RunDirectory, resume):

@@ -1,11 +1,13 @@
-"""How a training run stops: an unreadable image, SIGTERM and Ctrl-C, kill -9 then --resume, bad
-annotations, a non-finite loss, any other exception. Each ends in one line, with the exit status it
+"""How a training run stops: an unreadable image, SIGTERM and Ctrl-C (one, two inside a step, one
+during a save or an evaluation), kill -9 then --resume, bad annotations, a non-finite loss, any
+other exception. Each ends in one line, with the exit status it
 should have, the checkpoint it should leave, and no abort at exit (the loader's threads stopped);
 the ones where the exit status matters run train.py as a user does, in a subprocess."""
 
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -104,15 +106,15 @@ def start_training(shapes, output, *overrides):
     )
 
 
-def wait_for_steps(process, output, at_least: int, timeout: float = 240) -> int:
-    """Poll log.jsonl until it holds `at_least` step records; -> the last one's global step."""
+def wait_for_steps(process, output, at_least: int, timeout: float = 240, every: float = 0.02) -> int:
+    """Poll log.jsonl (`every` seconds) until it holds `at_least` step records; -> the last one's global step."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()[1][-3000:]
         steps = step_records(output) if (output / "log.jsonl").exists() else []
         if len(steps) >= at_least:
             return steps[-1]
-        time.sleep(0.02)
+        time.sleep(every)
     process.kill()
     raise AssertionError(f"no {at_least} steps in {timeout} s")
 
@@ -123,9 +125,7 @@ def test_a_signal_checkpoints_the_progress_at_the_end_of_the_step(shapes, tmp_pa
     process = start_training(shapes, output, "schedule.epochs=10")
     wait_for_steps(process, output, 3)
     process.send_signal(signum)
-    _, stderr = process.communicate(timeout=120)
-    done = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
-    line = assert_one_clean_line(done, 128 + signum)
+    line = assert_one_clean_line(stopped(process), 128 + signum)
     progress = progress_of(output / "checkpoint.safetensors")
     assert line == (
         f"error: interrupted ({name}) at epoch {progress['epoch']}, step {progress['step']}; "
@@ -133,6 +133,113 @@ def test_a_signal_checkpoints_the_progress_at_the_end_of_the_step(shapes, tmp_pa
     )
     steps = step_records(output)
     assert progress["global_step"] == steps[-1] >= 3  # every step taken is in the checkpoint and in the log
+
+
+def stopped(process) -> subprocess.CompletedProcess:
+    _, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+
+
+def step_seconds(output) -> float:
+    """The mean time of the steps logged so far (their images_per_s, 2 images a step)."""
+    lines = (output / "log.jsonl").read_text().splitlines()
+    return sum(2 / r["images_per_s"] for r in map(json.loads, lines) if "images_per_s" in r) / len(step_records(output))
+
+
+def send_twice(process, signum, apart: float):
+    """Two deliveries `apart` seconds apart: while MLX runs native code, CPython's C handler takes
+    both before its Python handler runs once. (Sent microseconds apart, the kernel itself would
+    merge the second into the first while that one is pending: a standard signal does not queue.)"""
+    os.kill(process.pid, signum)
+    time.sleep(apart)
+    os.kill(process.pid, signum)
+
+
+@pytest.mark.parametrize("signum, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")])
+def test_two_signals_inside_one_step_stop_it_without_saving(shapes, tmp_path, signum, name):
+    """Steps of 384 x 384 images (0.25-1 s here, most of it in MLX's native code); the pair sent a
+    quarter and a half of a step after step 3's record, so inside step 4: no save, the line names the
+    checkpoint of step 2 that stands; the log ends at step 3."""
+    output = tmp_path / "run"
+    sizes = ["data.scales=[384]", "data.max_size=384", "train.checkpoint_every=2"]
+    process = start_training(shapes, output, "schedule.epochs=10", *sizes)
+    wait_for_steps(process, output, 3, every=0.002)
+    seconds = step_seconds(output)
+    time.sleep(seconds / 4)
+    send_twice(process, signum, apart=seconds / 4)
+    line = assert_one_clean_line(stopped(process), 128 + signum)
+    checkpoint = output / "checkpoint.safetensors"
+    assert re.fullmatch(
+        re.escape(
+            f"error: a second signal ({name}, {name}) inside epoch 0's step 4: stopped there, without saving; "
+            f"the last checkpoint, intact: {checkpoint} (epoch 0, step 2, global step 2, written "
+        )
+        + r"\d{4}-\d\d-\d\d \d\d:\d\d\)",
+        line,
+    ), line
+    assert progress_of(checkpoint)["global_step"] == 2 and step_records(output) == [1, 2, 3]
+
+
+def signal_during_the_save(process, output, signum, timeout: float = 240):
+    """`signum` as soon as the checkpoint's temporary file appears (the save is under way)."""
+    tmp, deadline = output / "checkpoint.tmp.safetensors", time.monotonic() + timeout
+    while not tmp.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+    os.kill(process.pid, signum)
+
+
+@pytest.mark.parametrize("first_signal", [True, False], ids=["the first signal's save", "a periodic save"])
+def test_a_signal_during_a_save_waits_for_it_then_stops(shapes, tmp_path, first_signal):
+    """A SIGTERM while a checkpoint is written (the first SIGTERM's, or train.checkpoint_every's):
+    the save completes, the run stops, exit 143, the line names the checkpoint just saved, which
+    loads and holds every step taken."""
+    output = tmp_path / "run"
+    process = start_training(
+        shapes, output, "schedule.epochs=10", *([] if first_signal else ["train.checkpoint_every=3"])
+    )
+    if first_signal:
+        wait_for_steps(process, output, 2)
+        process.send_signal(signal.SIGTERM)
+    signal_during_the_save(process, output, signal.SIGTERM)
+    line = assert_one_clean_line(stopped(process), 143)
+    checkpoint = output / "checkpoint.safetensors"
+    progress = progress_of(checkpoint)
+    names = "SIGTERM, SIGTERM" if first_signal else "SIGTERM"
+    assert line == (
+        f"error: interrupted ({names}) at epoch {progress['epoch']}, step {progress['step']}; "
+        f"checkpoint: {checkpoint} (continue with --resume {checkpoint})"
+    )
+    assert progress["global_step"] == step_records(output)[-1]  # every step taken, saved
+    assert first_signal or progress["global_step"] == 3  # the periodic save's: no step after it
+    assert len(read_weights(checkpoint).tensors) > 0 and not (output / "checkpoint.tmp.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def many_val_images(tmp_path_factory):
+    """8 train images (4 steps an epoch), 60 val: an evaluation long enough to signal during it."""
+    return generate(tmp_path_factory.mktemp("shapes"), 8, 60, seed=3, height=(64, 64), width=(64, 64), max_size=40)
+
+
+def test_a_signal_during_an_evaluation_stops_at_once_with_the_epochs_steps_saved(many_val_images, tmp_path):
+    """SIGTERM just after the epoch's last step, in its evaluation: at once, the checkpoint holding the
+    epoch's 4 steps (a resume evaluates the epoch then), no evaluation record, exit 143."""
+    output = tmp_path / "run"
+    process = start_training(many_val_images, output, "schedule.epochs=3", "train.eval_every=1")
+    wait_for_steps(process, output, 4, every=0.002)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    line = assert_one_clean_line(stopped(process), 143)
+    checkpoint = output / "checkpoint.safetensors"
+    assert {k: progress_of(checkpoint)[k] for k in ("epoch", "step", "global_step")} == {
+        "epoch": 0,
+        "step": 4,
+        "global_step": 4,
+    }
+    assert line == (
+        f"error: interrupted (SIGTERM) at epoch 0, step 4; checkpoint: {checkpoint} "
+        f"(continue with --resume {checkpoint})"
+    )
+    assert not any('"eval"' in record for record in (output / "log.jsonl").read_text().splitlines())
 
 
 def test_after_kill_9_a_resumed_run_logs_each_step_once(shapes, tmp_path):
@@ -203,23 +310,37 @@ def failing_at_step(number: int, failure):
     return failing
 
 
-def test_a_non_finite_loss_stops_without_overwriting_the_last_checkpoint(shapes, tmp_path, monkeypatch):
+def test_a_non_finite_loss_stops_naming_its_step_with_its_record_in_the_log(shapes, tmp_path):
+    """A learning rate of 1e30: the first step's update takes the weights to about 1e30, the second
+    step's forward overflows (a real run going non-finite). Its record names that step and each term;
+    the checkpoint of the first step stays as it was."""
     output = tmp_path / "run"
     argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={shapes}", *SETTINGS]
-    train.main([*argv, "train.max_steps=2"])
-    checkpoint = output / "checkpoint.safetensors"
-    before = checkpoint.read_bytes()
-
-    monkeypatch.setattr(
-        Trainer, "step", failing_at_step(2, lambda losses: losses.update(loss_giou=math.nan, loss=math.nan))
-    )
     with pytest.raises(SystemExit) as stopped:
-        train.main([*argv, "train.max_steps=6", "--resume", str(checkpoint)])
-    assert str(stopped.value) == (
-        "error: the loss is nan at epoch 0, step 3 (not finite: loss_giou, loss); "
-        f"stopped without saving: the last checkpoint, intact, is {checkpoint}"
-    )
-    assert checkpoint.read_bytes() == before
+        train.main([*argv, "optimizer.lr=1e30", "train.checkpoint_every=1", "train.max_steps=4"])
+    checkpoint, log = output / "checkpoint.safetensors", output / "log.jsonl"
+    last = json.loads(log.read_text().splitlines()[-1])
+    not_finite = last.pop("non_finite_loss")
+    assert {k: last.pop(k) for k in ("epoch", "step", "global_step", "lr")} == {
+        "epoch": 0,
+        "step": 2,
+        "global_step": 2,
+        "lr": pytest.approx(1e30),
+    }
+    assert last.pop("grad_norm") in ("nan", "inf")
+    assert "loss" in not_finite and {"loss_ce", "loss_bbox", "loss_giou"} <= not_finite.keys()
+    assert set(not_finite.values()) <= {"nan", "inf", "-inf"}
+    assert all(math.isfinite(value) for value in last.values())  # the terms that stayed finite
+    assert re.fullmatch(
+        re.escape(
+            f"error: the loss is {not_finite['loss']} at epoch 0, step 2 (global step 2; not finite: "
+            f"{', '.join(not_finite)}; its record: {log}); stopped without saving: the last checkpoint, "
+            f"intact: {checkpoint} (epoch 0, step 1, global step 1, written "
+        )
+        + r"\d{4}-\d\d-\d\d \d\d:\d\d\)",
+        str(stopped.value),
+    ), stopped.value
+    assert progress_of(checkpoint)["global_step"] == 1
 
 
 def test_any_other_exception_is_one_line_with_the_traceback_in_the_log(shapes, tmp_path):
@@ -238,11 +359,11 @@ def test_any_other_exception_is_one_line_with_the_traceback_in_the_log(shapes, t
     environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment)
     line = assert_one_clean_line(done, 1)
-    assert line == (
+    assert line.startswith(
         "error: ZeroDivisionError: something went wrong at epoch 0, step 2 "
         f"(the traceback is in {output / 'log.jsonl'}); "
-        f"the last checkpoint, intact: {output / 'checkpoint.safetensors'}"
-    )
+        f"the last checkpoint, intact: {output / 'checkpoint.safetensors'} (epoch 0, step 2, global step 2, "
+    ) and line.endswith(")")
     last = json.loads((output / "log.jsonl").read_text().splitlines()[-1])
     assert "ZeroDivisionError: something went wrong" in last["traceback"] and "failing" in last["traceback"]
     assert progress_of(output / "checkpoint.safetensors")["global_step"] == 2

@@ -2,6 +2,7 @@
 which checkpoint stays intact: on a real full file system (a small tmpfs, mounted in a private mount
 namespace where the machine allows it; /dev/full for the log) and with a writer patched to fail."""
 
+import contextlib
 import errno
 import json
 import os
@@ -132,3 +133,90 @@ def test_a_full_tmpfs_stops_the_run_at_the_save_that_does_not_fit(shapes, tmp_pa
         1,
         [".lock", "checkpoint.safetensors", "config.yaml", "log.jsonl"],
     ]
+
+
+# An output directory that cannot be written. The tests run as root (here and in CI), which permission
+# bits do not stop: what refuses root is used instead, each a real refusal by the kernel: a file where
+# a directory should be (ENOTDIR), the immutable attribute (chattr +i: EPERM, even for root), a
+# read-only mount (EROFS).
+NOT_PERMITTED, READ_ONLY = os.strerror(errno.EPERM), os.strerror(errno.EROFS)
+
+
+@contextlib.contextmanager
+def immutable(path):
+    """`path` with the immutable attribute for the block; a skip saying why where it cannot be set."""
+    done = (
+        subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True) if shutil.which("chattr") else None
+    )
+    if done is None or done.returncode != 0:
+        pytest.skip(f"cannot make a file immutable here: {done.stderr.strip() if done else 'no chattr'}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def train_into(shapes, output):  # noqa: F811
+    """train.main into `output` -> its one line."""
+    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={shapes}", "train.eval_every=0"]
+    with pytest.raises(SystemExit) as stopped:
+        train.main([*argv, "train.max_steps=1"])
+    return str(stopped.value)
+
+
+def test_an_output_directory_under_a_file_is_named_as_a_write_error(shapes, tmp_path):  # noqa: F811
+    (tmp_path / "file").write_text("")
+    output = tmp_path / "file" / "run"
+    assert train_into(shapes, output) == (
+        f"error: {output}: cannot write it: {os.strerror(errno.ENOTDIR)}; no checkpoint written yet"
+    )
+
+
+def test_a_directory_that_cannot_be_made_is_named_as_a_write_error(shapes, tmp_path):  # noqa: F811
+    with immutable(tmp_path):
+        line = train_into(shapes, tmp_path / "run")
+    assert line == f"error: {tmp_path / 'run'}: cannot write it: {NOT_PERMITTED}; no checkpoint written yet"
+
+
+@pytest.mark.parametrize("held", [[], [".lock"]], ids=["the lock", "config.yaml"])
+def test_the_first_file_that_cannot_be_written_is_named_as_a_write_error(shapes, tmp_path, held):  # noqa: F811
+    """An output directory where no file can be made: the lock is the first; where an earlier run
+    that stopped before writing anything left its lock, config.yaml."""
+    for name in held:
+        (tmp_path / name).write_text("")
+    first = tmp_path / (".lock" if not held else "config.yaml")
+    with immutable(tmp_path):
+        line = train_into(shapes, tmp_path)
+    assert line == f"error: {first}: cannot write it: {NOT_PERMITTED}; no checkpoint written yet"
+
+
+def test_a_log_that_cannot_be_opened_is_named_as_a_write_error(tmp_path):
+    run = RunDirectory(tmp_path, load_config(TINY), {})
+    (tmp_path / "log.jsonl").write_text("")
+    run.claim()
+    with run, immutable(tmp_path / "log.jsonl"), pytest.raises(CommandError) as failed:
+        run.start_writing()
+    assert str(failed.value) == f"{tmp_path / 'log.jsonl'}: cannot write it: {NOT_PERMITTED}; no checkpoint written yet"
+
+
+def test_a_read_only_file_system_is_named_as_a_write_error(shapes, tmp_path):  # noqa: F811
+    """The command, in a mount namespace where the output directory's parent is a read-only tmpfs."""
+    why_not = can_mount_a_tmpfs()
+    if why_not:
+        pytest.skip(why_not)
+    disk, output = tmp_path / "disk", tmp_path / "disk" / "run"
+    disk.mkdir()
+    command = [sys.executable, str(ROOT / "train.py"), "--config", str(TINY), "--output-dir", str(output)]
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o ro tmpfs {disk} || exit 99; exec "$@"', "sh", *command]
+        + [f"data.coco_path={shapes}", "train.eval_every=0", "train.max_steps=1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {output}: cannot write it: {READ_ONLY}; no checkpoint written yet"
+    )

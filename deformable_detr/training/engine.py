@@ -2,14 +2,21 @@
 `train.max_steps`), evaluating and checkpointing as the config says, and ends cleanly whatever
 stops it:
 
-- Ctrl-C or SIGTERM (kill, job schedulers, preemptible machines): at the end of the step under way,
-  a checkpoint with the progress, one line, exit status 128 + the signal's number (130, 143). A
-  second signal stops inside the step, without writing a checkpoint.
+- Ctrl-C or SIGTERM (kill, job schedulers, preemptible machines): at the end of the step under way
+  (at once between steps or in an evaluation), a checkpoint with the progress, one line, exit status
+  128 + the first signal's number (130, 143). A second signal inside the same step stops it as soon
+  as Python has control back, without saving; the line names the checkpoint that stands (its epoch
+  and step). A signal while a checkpoint is written waits for the save to complete (a checkpoint is
+  never half written), then stops the run, the line naming that checkpoint. Signals are counted
+  one by one, those that come while MLX computes too (`stops.py`).
 - an image that cannot be read (`data.skip_bad_images=false`): a checkpoint with the progress (that
   batch not taken), one line naming the image and the way on. (With `data.skip_bad_images=true` it
   is left out: a warning, and a log record {"skipped_image": message, "epoch", "global_step"}.)
-- a non-finite loss, running out of memory, or anything else: one line (anything else: its
-  traceback in log.jsonl); no checkpoint is written, so the last one stays as it was.
+- a non-finite loss: its record in log.jsonl (the epoch, step and global step that went non-finite,
+  the terms not finite as text, the others, the learning rate, the gradient norm), one line naming
+  that step.
+- running out of memory, or anything else: one line (anything else: its traceback in log.jsonl).
+  After these no checkpoint is written: the last one stays as it was, named with its epoch and step.
 In every case the data loader's threads are stopped first, so the process exits normally.
 `train.early_stop_patience` N ends the schedule early, after N evaluations without a higher AP (the
 best kept as checkpoint_best), with a line saying so: a normal end."""
@@ -68,7 +75,7 @@ def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=Non
             f"the train split has {len(loader.dataset)} images: fewer than schedule.batch_size ({loader.batch_size})"
         )
     last = None  # evaluation
-    with StopSignals() as signals, stopping_cleanly(trainer, run, progress):
+    with StopSignals() as signals, stopping_cleanly(trainer, run, progress, signals):
         while progress.epoch < cfg.schedule.epochs and progress.global_step < (cfg.train.max_steps or math.inf):
             if stopped_early(trainer, progress):
                 run.print(
@@ -81,7 +88,8 @@ def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=Non
             evaluated, best = (
                 end_epoch(trainer, run, progress, val) if progress.step == loader.batches_per_epoch() else (None, False)
             )
-            run.save(trainer, progress, best)
+            with signals.saving():
+                run.save(trainer, progress, best)
             last = evaluated or last
         if val is not None:
             with trainer.evaluation_weights():
@@ -103,7 +111,7 @@ def train_one_epoch(trainer: Trainer, loader, run: RunDirectory, progress: Progr
     with bar, contextlib.closing(loader.epoch(progress.epoch, progress.step)) as batches:
         for micro_batches in batches:
             log_skipped_images(loader, run, progress)
-            with signals.deferred():
+            with signals.step():
                 record = train_step(trainer, micro_batches, run, progress)
                 if progress.global_step % cfg.train.log_every == 0:
                     run.log(record)
@@ -112,7 +120,8 @@ def train_one_epoch(trainer: Trainer, loader, run: RunDirectory, progress: Progr
             )
             bar.update()
             if cfg.train.checkpoint_every and progress.global_step % cfg.train.checkpoint_every == 0:
-                run.save(trainer, progress)
+                with signals.saving():
+                    run.save(trainer, progress)
             if progress.global_step >= (cfg.train.max_steps or math.inf):
                 break
     log_skipped_images(loader, run, progress)  # those of a last step whose every image was skipped
@@ -136,29 +145,51 @@ def train_step(trainer: Trainer, micro_batches: list, run: RunDirectory, progres
             raise
         shape = max(images.shape for images, _, _ in micro_batches)
         message = out_of_memory_message(error, shape, trainer.cfg.train.activation_checkpointing)
-        raise CommandError(f"{message}; the last checkpoint, intact: {run.checkpoint}") from None
+        raise CommandError(f"{message}; {run.standing_checkpoint()}") from None
     if trainer.steps == 1:  # the trainer's first: it measured (and checked) every sampling_offsets layer
         norms = trainer.sampling_offsets_grad_norms
         run.log({"sampling_offsets_grad_norms": norms})
         listed = ", ".join(f"{k.replace('transformer.', '')} {v:.3g}" for k, v in norms.items())
         run.print(f"sampling_offsets gradient norms, first step: {listed}")
+    lr = trainer.optimizer.optimizers[-1].learning_rate.item()
     if not math.isfinite(losses["loss"]):
-        bad = ", ".join(k for k, v in losses.items() if not math.isfinite(v))
-        raise CommandError(
-            f"the loss is {losses['loss']} at epoch {progress.epoch}, step {progress.step} (not finite: {bad}); "
-            f"stopped without saving: the last checkpoint, intact, is {run.checkpoint}"
-        )
+        stop_at_non_finite_loss(run, progress, losses, lr, grad_norm)
     seconds = time.perf_counter() - started
     progress.add_step(losses, seconds)
     return {
         "epoch": progress.epoch,
         "step": progress.step,
         "global_step": progress.global_step,
-        "lr": trainer.optimizer.optimizers[-1].learning_rate.item(),
+        "lr": lr,
         "grad_norm": grad_norm,
         "images_per_s": sum(len(targets) for _, _, targets in micro_batches) * trainer.world_size / seconds,
         **losses,
     }
+
+
+def stop_at_non_finite_loss(run: RunDirectory, progress: Progress, losses: dict, lr: float, grad_norm: float):
+    """A step whose loss is not finite: its record in log.jsonl (the step it was, the terms not finite
+    as text, since JSON has no NaN, the others, the learning rate, the gradient norm), then a
+    CommandError naming that step; nothing saved."""
+    non_finite = {k: str(v) for k, v in losses.items() if not math.isfinite(v)}
+    finite = {k: v for k, v in losses.items() if k not in non_finite}
+    step, global_step = progress.step + 1, progress.global_step + 1  # the step's: add_step has not run
+    run.log(
+        {
+            "epoch": progress.epoch,
+            "step": step,
+            "global_step": global_step,
+            "non_finite_loss": non_finite,
+            "lr": lr,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else str(grad_norm),
+            **finite,
+        }
+    )
+    raise CommandError(
+        f"the loss is {losses['loss']} at epoch {progress.epoch}, step {step} (global step {global_step}; not "
+        f"finite: {', '.join(non_finite)}; its record: {run.log_path}); stopped without saving: "
+        f"{run.standing_checkpoint()}"
+    )
 
 
 def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val):

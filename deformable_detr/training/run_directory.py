@@ -1,7 +1,8 @@
 """A training run's directory, written by the main process alone (rank 0 in a distributed run), which
 owns it for the run's life (`run_lock.py`: .lock):
 
-config.yaml             the resolved config
+config.yaml             the resolved config; after a resume that changed it, the one the run started
+                        with, then `changes:` (each key's [old, new] and the global step it holds from)
 log.jsonl               a JSON record per step, per epoch and per evaluation; at each start one per
                         split (train.py: images, boxes, what was dropped), and one per bad image skipped
 checkpoint.safetensors  the model, optimizer state and progress (`weights/checkpoint.py`)
@@ -21,15 +22,15 @@ import os
 import shutil
 from pathlib import Path
 
-import yaml
 from tqdm import tqdm
 
-from ..config import Config, config_to_dict
+from ..config import Config
 from ..errors import CommandError, UsageError, WriteError
 from ..inference.detector import Detector
 from ..inference.visualize import grid, plot_curves, pr_curves
 from ..weights.checkpoint import save_checkpoint, saved_progress
-from ..weights.files import write_errors_named
+from ..weights.files import temporary_path, write_errors_named
+from .resume_check import ResumedConfig, config_text
 from .run_lock import RunLock
 from .tensorboard import TensorBoard
 
@@ -50,22 +51,40 @@ class RunDirectory:
         self.lock = RunLock(self.path)
         self._log, self._previous = None, []  # the files of an earlier run, removed by start_writing
         self._tensorboard = None
+        self._resumed_config, self.config_history = None, []  # `starting_point`'s; the changes made (resumes)
         if is_main:
-            self.path.mkdir(parents=True, exist_ok=True)
+            with self._writing(self.path):  # a read-only or missing parent: named as any write is
+                self.path.mkdir(parents=True, exist_ok=True)
 
     def claim(self):
-        """The main process locks the directory for the run (another run holding it: a CommandError)."""
+        """The main process locks the directory for the run (another run holding it: a CommandError),
+        then removes what a run killed while saving left: a checkpoint's temporary file, never renamed."""
         if self.is_main:
-            self.lock.acquire()
+            with self._writing(self.lock.path):  # the directory's first file: where it cannot be written
+                self.lock.acquire()
             if self.lock.unlocked_because:
                 self.print(
                     f"warning: cannot lock {self.lock.path} ({self.lock.unlocked_because}: a file system without "
                     "flock); running unlocked: make sure no other run writes to this directory"
                 )
+            for partial in map(temporary_path, (self.checkpoint, self.best_checkpoint)):
+                if partial.is_file():  # the lock held: no save of another run is under way
+                    with self._writing(partial):
+                        partial.unlink()
+                    self.print(f"removed {partial}: part of a checkpoint, left by a run stopped while saving it")
 
-    def starting_point(self, resume, overwrite: bool) -> Path | None:
+    def starting_point(self, resume, overwrite: bool, allowed_changes=frozenset()) -> Path | None:
         """-> the checkpoint to continue (`resume`: a path, or RESUME_HERE: this directory's, where it
-        has one), or None: a fresh run. A start other than from this directory's own checkpoint,
+        has one), or None: a fresh run. A checkpoint continued is compared with the config
+        (`resume_check.py`): a change of what is trained not in `allowed_changes` stops here."""
+        checkpoint = self._checkpoint_to_continue(resume, overwrite)
+        self._resumed_config = ResumedConfig.read(checkpoint) if checkpoint is not None else None
+        if self._resumed_config is not None:
+            self._resumed_config.check(self.cfg, allowed_changes)
+        return checkpoint
+
+    def _checkpoint_to_continue(self, resume, overwrite: bool) -> Path | None:
+        """`starting_point`'s checkpoint. A start other than from this directory's own checkpoint,
         into a directory holding one, stops here unless `overwrite`; the earlier run's files are then
         removed by `start_writing`, once the new run is set up (a run that fails before that, on a
         wrong setting or too little memory, leaves them as they were)."""
@@ -94,9 +113,13 @@ class RunDirectory:
     def start_writing(self, resumed_from=None, progress: dict | None = None):
         """Once the run is set up (model built, memory planned, checkpoint loaded): an earlier run's
         files removed (see `starting_point`), the log cut back to the checkpoint resumed (`resume`),
-        config.yaml written, log.jsonl opened."""
+        config.yaml written (with the changes a resume made to the config, noted), log.jsonl opened."""
         if not self.is_main:
             return
+        if resumed_from is not None and self._resumed_config is not None:
+            self.config_history, note = self._resumed_config.record(self.cfg, progress["global_step"] + 1)
+            if note:
+                self.print(note)
         for path in self._previous:
             with self._writing(path):
                 if path.is_dir() and not path.is_symlink():
@@ -117,9 +140,11 @@ class RunDirectory:
                 self._tensorboard = TensorBoard(self.path / "tensorboard", purge_step=first)
 
     def write_config(self):
-        """config.yaml: the config as resolved (the memory plan's choices in place of `auto`), printed."""
+        """config.yaml: the config as resolved (the memory plan's choices in place of `auto`), printed;
+        where resumes changed it, the config the run started with and `changes:` (`config_text`),
+        which `load_config` reads as the config in effect last."""
         if self.is_main:
-            text = yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False)
+            text = config_text(self.cfg, self.config_history)
             with self._writing(self.path / "config.yaml"):
                 (self.path / "config.yaml").write_text(text)
             print(text, end="")
@@ -184,7 +209,7 @@ class RunDirectory:
         model, optimizer, ema = trainer.model, trainer.optimizer, trainer.ema
         for path in (self.checkpoint, self.best_checkpoint) if best else (self.checkpoint,):
             with self._writing(path):
-                save_checkpoint(path, model, optimizer, self.cfg, metadata, self.class_names, ema)
+                save_checkpoint(path, model, optimizer, self.cfg, metadata, self.class_names, ema, self.config_history)
 
     @contextlib.contextmanager
     def _writing(self, path):
@@ -193,10 +218,16 @@ class RunDirectory:
             with write_errors_named(path):
                 yield
         except WriteError as error:
-            best = Path(error.path) == self.best_checkpoint
-            kept, label = (self.best_checkpoint, "the best") if best else (self.checkpoint, "the last")
-            state = f"{label} checkpoint, intact: {kept} ({describe_checkpoint(kept)})"
-            raise CommandError(f"{error}; {state if kept.is_file() else 'no checkpoint written yet'}") from error
+            standing = self.standing_checkpoint(best=Path(error.path) == self.best_checkpoint)
+            raise CommandError(f"{error}; {standing}") from error
+
+    def standing_checkpoint(self, best: bool = False) -> str:
+        """What a run that stops leaves: 'the last checkpoint, intact: PATH (epoch 2, step 5, ...)'
+        (`best`: the best one), or 'no checkpoint written yet'."""
+        kept, label = (self.best_checkpoint, "the best") if best else (self.checkpoint, "the last")
+        if not kept.is_file():
+            return "no checkpoint written yet"
+        return f"{label} checkpoint, intact: {kept} ({describe_checkpoint(kept)})"
 
     def write_results(self, stats: dict):
         if self.is_main:

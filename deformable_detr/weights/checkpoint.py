@@ -11,11 +11,13 @@ from ..config import Config, config_to_dict
 from .files import class_names_metadata, read_metadata, read_weights, write_safetensors
 from .loading import check_keys
 
+CONFIG_CHANGES_KEY = "config_changes"
 
-def save_checkpoint(path, model, optimizer, cfg: Config, progress: dict, class_names: dict, ema=None):
+
+def save_checkpoint(path, model, optimizer, cfg: Config, progress: dict, class_names: dict, ema=None, changes=()):
     """`progress` (JSON-able: epoch, step, global_step, ...) and `class_names` (the training set's
     {id: name}, for prediction and fine-tuning) travel with the weights, and the `ema`
-    (training.ema.EMA)."""
+    (training.ema.EMA), and the `changes` made to the config by resumes (training/resume_check.py)."""
     arrays = {f"model.{k}": v for k, v in tree_flatten(model.parameters())}
     arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
     metadata = {
@@ -23,6 +25,8 @@ def save_checkpoint(path, model, optimizer, cfg: Config, progress: dict, class_n
         "config": json.dumps(config_to_dict(cfg)),
         **class_names_metadata(class_names),
     }
+    if changes:
+        metadata[CONFIG_CHANGES_KEY] = json.dumps(list(changes))
     if ema is not None:
         arrays.update({f"ema.{k}": v for k, v in ema.weights.items()})
         metadata["ema"] = json.dumps({"updates": ema.updates, "decay": ema.decay})
@@ -53,3 +57,11 @@ def saved_progress(path) -> dict:
     if "progress" not in metadata:
         raise ValueError(f"{path}: not a training checkpoint (no progress metadata)")
     return json.loads(metadata["progress"])
+
+
+def saved_config(path) -> tuple[dict | None, list]:
+    """A training checkpoint's config (None: it records none) and the changes resumes made to it
+    (`save_checkpoint`), from its header alone."""
+    metadata = read_metadata(path)
+    config = json.loads(metadata["config"]) if "config" in metadata else None
+    return config, json.loads(metadata.get(CONFIG_CHANGES_KEY, "[]"))
