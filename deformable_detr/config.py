@@ -7,8 +7,8 @@ A config file is a path, or the name of a config shipped in the package (`r50`, 
 any folder. Relative paths inside a config (`data.path`, `data.coco_path`) are relative to the
 current directory, where the command runs (as the quick start's `data/shapes`), not to the file.
 
-A run's config.yaml is the config it started with and, where `train.py --resume --allow-change`
-changed it, `changes:`, each a `{from_global_step: N, section.key: [old, new], ...}`: a file is read
+A run's config.yaml is the config it started with and, where a `train.py --resume` changed it,
+`changes:`, each a `{from_global_step: N, section.key: [old, new], ...}`: a file is read
 with its changes applied, the config in effect last."""
 
 import dataclasses
@@ -329,6 +329,19 @@ def flat_config(cfg: Config) -> dict:
             yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
 
     return dict(flat(config_to_dict(cfg), ""))
+
+
+def set_later_keys() -> set:
+    """The keys whose `auto` is a value set later (the memory plan's micro-batch and activation
+    checkpointing, the data's class count): {section.key} of each field whose metadata says "auto"
+    (not those where `auto` is itself a setting, as data.exif_orientation's)."""
+    return {
+        f"{section.name}.{key.name}"
+        for section in dataclasses.fields(Config)
+        if section.default_factory is not dataclasses.MISSING  # a section (seed is a plain key)
+        for key in dataclasses.fields(section.default_factory)
+        if key.metadata.get("auto")
+    }
 
 
 def model_overrides(options: dict) -> list[str]:

@@ -38,7 +38,7 @@ def parse_args(argv=None):
         type=float,
         default=128,
         help="decoded pixels held at once, in millions (8 bytes each while decoding; with alpha or 16 bits 3 "
-        "times, 32 bits 5); 503 beyond",
+        "times, 32 bits 5); 503 while other requests hold them, 413 for a request over all of them",
     )
     parser.add_argument(
         "--read-timeout-s", type=float, default=10, help="a request's headers, and each gap in its body, at most"
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     for option in ("--max-megapixels", "--read-timeout-s", "--shutdown-timeout-s"):
         value = getattr(args, option[2:].replace("-", "_"))
         if not 0 < value < float("inf"):
-            raise UsageError(f"{option} {value:g}: must be above 0")
+            raise UsageError(f"{option} {value:g}: must be a finite number above 0")
     return args
 
 

@@ -115,6 +115,15 @@ def test_a_tensor_removed_or_added_after_the_checksums_were_written_is_refused(t
         read_weights(path)
 
 
+@pytest.mark.parametrize("recorded", ["[]", '"abc"', "{", "7"])
+def test_damaged_checksum_metadata_is_one_error_naming_the_file(tmp_path, recorded):
+    path = tmp_path / "weights.safetensors"
+    save_weights(path, ARRAYS)
+    mx.save_safetensors(str(path), ARRAYS, metadata={**read_metadata(path), "tensor_sha256": recorded})
+    with pytest.raises(ValueError, match=rf"^{path}: unreadable tensor_sha256 metadata: the file is damaged$"):
+        read_weights(path)
+
+
 def test_files_without_checksums_load_as_before(trained, tmp_path):
     """The authors' and Hugging Face's files, and ours written before checksums: no such metadata."""
     bare = tmp_path / "bare.safetensors"

@@ -8,6 +8,7 @@ import shutil
 
 from deformable_detr.config import DATA, RESUME_EFFECTS, RUNS, TRAINS, Config, config_to_dict, flat_config, load_config
 from deformable_detr.errors import UsageError
+from deformable_detr.training.resume_check import ResumedConfig
 from deformable_detr.weights.files import read_weights
 
 import numpy as np
@@ -70,6 +71,21 @@ def test_every_config_key_has_its_class_in_one_table():
     assert set(RESUME_EFFECTS.values()) == {TRAINS, RUNS, DATA}
     assert RESUME_EFFECTS["seed"] == RESUME_EFFECTS["schedule.batch_size"] == TRAINS
     assert RESUME_EFFECTS["data.num_workers"] == RESUME_EFFECTS["schedule.micro_batch_size"] == RUNS
+
+
+def test_an_auto_that_is_a_setting_is_compared_and_one_set_later_once_set(tmp_path):
+    """data.exif_orientation's `auto` is a setting (a change of what is trained from `displayed`); the
+    micro-batch's `auto` is the memory plan's, compared only once the plan has set it."""
+    recorded = load_config(None, ["data.exif_orientation=displayed", "schedule.micro_batch_size=2"])
+    resumed = ResumedConfig(tmp_path / "checkpoint.safetensors", recorded, [])
+    assert resumed.changes(load_config(None, ["schedule.micro_batch_size=2"])) == {
+        "data.exif_orientation": ("displayed", "auto")
+    }
+    assert resumed.changes(load_config(None, ["data.exif_orientation=displayed"])) == {}  # micro-batch: auto
+    planned = load_config(None, ["data.exif_orientation=displayed", "schedule.micro_batch_size=1"])
+    assert resumed.changes(planned) == {"schedule.micro_batch_size": (2, 1)}
+    with pytest.raises(UsageError, match=r"data\.exif_orientation \"displayed\" -> \"auto\""):
+        resumed.check(load_config(None, ["schedule.micro_batch_size=2"]), set())
 
 
 def test_a_changed_seed_and_batch_size_refuse_in_one_line_writing_nothing(shapes, output):

@@ -85,6 +85,29 @@ def test_a_stalled_body_is_answered_408_closed_and_counted(served):
     assert after["timeouts"] - before["timeouts"] == 1 and after["errors"] == before["errors"]
 
 
+@pytest.mark.parametrize("path", ["/v1/detect?threshold=2", "/no/such/route"])
+def test_an_answer_before_the_body_closes_the_connection(served, path):
+    """Refused before its body is read (a bad query, a 404): the answer closes the connection, so a body
+    trickled after it holds nothing (each byte would restart uvicorn's keep-alive timer, no read timeout)."""
+    _, url = served
+    with connect(url) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n".encode() + b"x")
+        answer, after_s = read_until_closed(sock, 5)
+    head = answer.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith((b"http/1.1 400", b"http/1.1 404")) and b"connection: close" in head, head
+    assert after_s < 3
+
+
+def test_a_body_refused_from_its_length_is_not_asked_for(served):
+    """Expect: 100-continue (curl's, for large uploads) with a Content-Length over --max-body-mb: 413 at
+    once, never 100 Continue (which would ask the client to send the body the answer refuses)."""
+    _, url = served
+    with connect(url) as sock:
+        sock.sendall(b"POST /v1/detect HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\nExpect: 100-continue\r\n\r\n")
+        answer, _ = read_until_closed(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 413") and b"100 Continue" not in answer, answer[:200]
+
+
 def test_slow_and_silent_headers_are_closed_and_counted(served):
     _, url = served
     before = stats(url)

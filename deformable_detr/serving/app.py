@@ -6,9 +6,10 @@
                         or {"model", "results": [{"filename", "image", "detections"}, ...]};
                         header X-Batch-Size: the forward batch the (first) image ran in
     GET /v1/model    the model: name, classes, queries, layers, heads, levels, points, val_size, max_size
-    GET /v1/stats    requests, images, batches, batch_sizes {size: count}, queued, megapixels (held now),
-                     errors (answers 4xx or 5xx), disconnects (clients gone before their answer), timeouts
-                     (stalled: headers or a body not in within the read timeout, closed)
+    GET /v1/stats    requests, images, batches, batch_sizes {size: count}, queued, megapixels (of the pixel
+                     budget held now, as uploads.pixels counts them), errors (answers 4xx or 5xx),
+                     disconnects (clients gone before their answer), timeouts (stalled: headers or a body
+                     not in within the read timeout, closed)
     GET /healthz     200 {"status": "ok"} once the model has run a warm-up forward, else 503
     GET /            static/index.html (the page), where it is there
 
@@ -50,6 +51,7 @@ PAGE = Path(__file__).parent / "static" / "index.html"
 RETRY_AFTER_S = 1  # what a 503 for a full queue or a taken pixel budget asks the client to wait
 THRESHOLD = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # ASCII digits alone (str.isdigit takes '²')
 LAYER = re.compile(r"-?[0-9]{1,6}")
+DIGITS = re.compile(r"[0-9]+")
 TRUE, FALSE = ("1", "true"), ("0", "false")
 QUERY_KEYS = ("threshold", "attention", "attention_layer")
 
@@ -134,8 +136,19 @@ def error(status: int, message: str, headers=None) -> JSONResponse:
 
 
 async def http_error(request, exc: HTTPException) -> JSONResponse:
-    """404, 405 (with Starlette's Allow header) and the like, naming the method and path asked."""
-    return error(exc.status_code, f"{request.method} {quoted(request.url.path)}: {exc.detail}", exc.headers)
+    """404, 405 (with Starlette's Allow header) and the like, naming the method and path asked; a request
+    that carries a body is answered with the connection closed (`UNREAD_BODY`)."""
+    headers = {**(exc.headers or {}), **(UNREAD_BODY if carries_body(request) else {})}
+    return error(exc.status_code, f"{request.method} {quoted(request.url.path)}: {exc.detail}", headers)
+
+
+# An answer given before the request's body is all read closes the connection: the body left to come would
+# hold it open (each byte restarts uvicorn's keep-alive timer, and no read timeout is running then).
+UNREAD_BODY = {"Connection": "close"}
+
+
+def carries_body(request) -> bool:
+    return request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
 
 
 async def server_error(request, exc: Exception) -> JSONResponse:
@@ -145,9 +158,7 @@ async def server_error(request, exc: Exception) -> JSONResponse:
 class DetectionService:
     """The routes' handlers over one `Detector` and its `Batcher`, with the counts /v1/stats reports."""
 
-    def __init__(
-        self, detector, max_batch, max_wait, max_queue, max_body_mb, name=None, max_megapixels=128, read_timeout=10
-    ):
+    def __init__(self, detector, max_batch, max_wait, max_queue, max_body_mb, name, max_megapixels, read_timeout):
         self.detector, self.max_body = detector, int(max_body_mb * 1024 * 1024)
         # Loaded weights may still be lazy on the loading thread's MLX stream, which the worker cannot use:
         # computed here, on that thread (MLX streams belong to the thread that made them).
@@ -190,8 +201,7 @@ class DetectionService:
         except ClientDisconnect:
             response = None
         except ClientError as failure:
-            close = {"Connection": "close"} if failure.status in (408, 413) else None  # the body left unread
-            response = error(failure.status, failure, close)
+            response = error(failure.status, failure, None if request.state.body_read else UNREAD_BODY)
         except (QueueFull, OverBudget) as full:
             response = error(503, full, {"Retry-After": str(RETRY_AFTER_S)})
         except Closed as closed:
@@ -199,7 +209,9 @@ class DetectionService:
         except Exception as failure:  # noqa: BLE001  (the model failed on this batch: 500; the server goes on)
             response = await server_error(request, failure)
         self.budget.return_memory()  # the request's decoded images are unreferenced by now
-        if response is None or await request.is_disconnected():
+        # is_disconnected() reads from the client: only once the body is in (before, it would take a chunk of
+        # it, and answer 100 Continue to a client that asked before sending a body this answer refuses)
+        if response is None or (request.state.body_read and await request.is_disconnected()):
             self.disconnects += 1  # nobody to answer: not the server's error nor the request's
             return response or error(400, "the client disconnected before its answer")
         if response.status_code == 408:
@@ -209,8 +221,10 @@ class DetectionService:
         return response
 
     async def _detect(self, request: Request) -> JSONResponse:
+        request.state.body_read = False
         threshold, layer = detect_options(request.query_params, self.detector.cfg.model.dec_layers)
         body = await read_body(request, self.max_body, self.read_timeout)
+        request.state.body_read = True
         content_type = request.headers.get("content-type", "")
         uploads = await form_files(request, body) if content_type.startswith("multipart/form-data") else None
         named = uploads if uploads is not None else [("the body", body)]
@@ -314,7 +328,7 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     in (a client that stalls holds no connection for longer). ClientDisconnect where the client leaves."""
     declared = request.headers.get("content-length", "")
     too_big = f"the body is over the server's limit of {limit / 1024 / 1024:g} MB (--max-body-mb)"
-    if declared.isascii() and declared.isdigit() and int(declared) > limit:
+    if DIGITS.fullmatch(declared) and int(declared) > limit:
         raise ClientError(413, too_big)
     chunks, size = [], 0
     stream = aiter(request.stream())

@@ -113,8 +113,8 @@ class Batcher:
         return [job for job in self._jobs if job.key == key]
 
     def _run(self, batch: list[Job]) -> None:
-        # A request cancelled while its images waited (its client gone, or the server's shutdown timeout
-        # over) cancels their futures: those images are not run.
+        # A request cancelled while its images waited (the server's shutdown timeout over) cancels their
+        # futures: those images are not run.
         batch = [job for job in batch if job.future.set_running_or_notify_cancel()]
         if not batch:
             return

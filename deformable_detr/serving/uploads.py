@@ -96,7 +96,7 @@ class PixelBudget:
         served), OverBudget where they are over what other requests leave now."""
         budget = f"the server's budget of {self.limit / 1e6:g} M (--max-megapixels)"
         if count > self.limit:
-            raise ClientError(413, f"{count / 1e6:.1f} M pixels to decode: over {budget}")
+            raise ClientError(413, f"images counting {count / 1e6:.1f} M pixels (`pixels`) to decode: over {budget}")
         if self.held + count > self.limit:
             raise OverBudget(f"{self.held / 1e6:.1f} M pixels are being decoded or detected, {budget}: try again soon")
         self.held += count

@@ -21,6 +21,7 @@ from ..config import (
     config_to_dict,
     flat_config,
     load_config,
+    set_later_keys,
     unknown_key,
 )
 from ..data import data_path
@@ -58,9 +59,13 @@ class ResumedConfig:
 
     def changes(self, cfg: Config) -> dict:
         """{section.key: (recorded, cfg's)} of each value that differs; an `auto` still to be set
-        (the memory plan's, once the trainer is built) is compared once set."""
-        recorded = flat_config(self.recorded)
-        return {k: (recorded[k], v) for k, v in flat_config(cfg).items() if v != recorded[k] and v != "auto"}
+        (`set_later_keys`: the memory plan's, once the trainer is built) is compared once set."""
+        recorded, later = flat_config(self.recorded), set_later_keys()
+        return {
+            k: (recorded[k], v)
+            for k, v in flat_config(cfg).items()
+            if v != recorded[k] and not (v == "auto" and k in later)
+        }
 
     def effect(self, key: str, cfg: Config) -> str:
         """TRAINS or RUNS: a DATA key's change is RUNS where the data set's place resolves to the

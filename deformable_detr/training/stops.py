@@ -105,9 +105,11 @@ class StopSignals:
         self.state, self._at_step = STEP, self.count()
         try:
             yield
-        finally:
-            if self.state == STEP:
-                self.state = BETWEEN
+        except BaseException:
+            self.stopping()  # the step failed: the run ends, and no signal may save over the checkpoint that stands
+            raise
+        if self.state == STEP:
+            self.state = BETWEEN
         signals = self.count() - self._at_step
         if self.state == BETWEEN and signals:
             self._stop(SAVE if signals == 1 else UNSAVED)
@@ -119,8 +121,10 @@ class StopSignals:
         self.state = SAVING
         try:
             yield
-        finally:
-            self.state = previous
+        except BaseException:
+            self.stopping()  # the save failed (a full disk): the run ends with the checkpoint that stands
+            raise
+        self.state = previous
         if previous == BETWEEN and self.count() > before:
             self._stop(SAVED)
 

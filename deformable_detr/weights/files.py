@@ -146,9 +146,11 @@ def verify_checksums(path, metadata: dict):
         return
     try:
         recorded = json.loads(metadata[CHECKSUMS_KEY])
-        names = sorted(recorded)
-    except (ValueError, TypeError):
-        raise ValueError(f"{path}: unreadable {CHECKSUMS_KEY} metadata: the file is damaged") from None
+    except ValueError:
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{path}: unreadable {CHECKSUMS_KEY} metadata: the file is damaged")
+    names = sorted(recorded)
     header, start = read_header(path)
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
     damaged = "the file was damaged after it was written (on disk or in a copy); use another copy"
