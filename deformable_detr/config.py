@@ -215,11 +215,15 @@ def load_config(path=None, overrides=(), base: dict | None = None, base_source: 
     return cfg
 
 
-def nested_key(key: str, value) -> dict:
-    """`section.key`, value -> {section: {key: value}}."""
-    for part in reversed(key.split(".")):
-        value = {part: value}
-    return value
+def nested_key(key: str, value, values: dict | None = None) -> dict:
+    """`values` (default: a new dict) with `section.key` set to `value`: {section: {key: value}}."""
+    values = {} if values is None else values
+    *sections, name = key.split(".")
+    inner = values
+    for part in sections:
+        inner = inner.setdefault(part, {})
+    inner[name] = value
+    return values
 
 
 def shipped_configs() -> list[str]:

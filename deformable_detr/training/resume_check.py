@@ -21,6 +21,7 @@ from ..config import (
     config_to_dict,
     flat_config,
     load_config,
+    nested_key,
     set_later_keys,
     unknown_key,
 )
@@ -118,11 +119,7 @@ def config_text(cfg: Config, history: list) -> str:
     for change in reversed(history):
         for key, pair in change.items():
             if key != "from_global_step":
-                *sections, name = key.split(".")
-                section = started
-                for part in sections:
-                    section = section[part]
-                section[name] = pair[0]
+                nested_key(key, pair[0], started)
     text = yaml.safe_dump(started, sort_keys=False)
     if history:
         text += "# what resumes changed: each key's [old, new] value, the new from_global_step on\n"
