@@ -1,6 +1,8 @@
 """The C++ extension of `kernels` (kernels/native/: MLX operations for the CPU attention kernel and
 Hungarian matching, and on Linux the library that gives MLX OpenBLAS's products), built by the
-install with CMake against the MLX of the build environment.
+install with CMake against the MLX of the build environment; beside it, where oneDNN's CMake package is
+in the build environment (the `onednn-devel-cpu-gomp` wheel, x86-64 Linux), `kernels._onednn`
+(kernels/onednn.py).
 
 Optional: where it cannot be built (no C++ compiler or CMake), the install goes on and `kernels`
 uses its MLX-ops path and scipy (`kernels.available_backends()` tells). Everything else is in
@@ -39,6 +41,7 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError
 
 BUILD_TYPE = "Release"
+ONEDNN_DEVEL = "onednn-devel-cpu-gomp"
 # Environment variables CMake reads when it configures: they can change what it builds.
 CMAKE_ENVIRONMENT = (
     "CXX",
@@ -74,6 +77,19 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+def _onednn_cmake_dir() -> str | None:
+    """The folder of dnnl-config.cmake of the build environment's onednn-devel-cpu-gomp wheel (its data
+    files go to the environment's lib/cmake/dnnl, where CMake does not look by itself), or None."""
+    try:
+        distribution = metadata.distribution(ONEDNN_DEVEL)
+    except metadata.PackageNotFoundError:
+        return None
+    for file in distribution.files or ():
+        if file.name == "dnnl-config.cmake":
+            return str(Path(distribution.locate_file(file)).resolve().parent)
+    return None
+
+
 def _compiler() -> str | None:
     """The first line of `--version` of the C++ compiler CMake would take (CXX, else c++)."""
     try:
@@ -95,7 +111,10 @@ def _build_inputs(ext: CMakeExtension) -> dict:
     return {
         "sources": sources,
         "setup.py": _sha256(Path(__file__).resolve()),
-        "versions": {name: _version(name) for name in ("mlx", "mlx-cpu", "mlx-metal", "mlx-cuda", "nanobind")},
+        "versions": {
+            name: _version(name)
+            for name in ("mlx", "mlx-cpu", "mlx-metal", "mlx-cuda", "nanobind", ONEDNN_DEVEL, "onednn-cpu-gomp")
+        },
         "python": [sys.version, sys.implementation.cache_tag, sysconfig.get_config_var("EXT_SUFFIX")],
         "platform": [sys.platform, platform.machine(), sysconfig.get_platform()],
         "build_type": BUILD_TYPE,
@@ -148,6 +167,8 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={output_dir}",
         ]
+        if _onednn_cmake_dir() is not None:
+            configure.append(f"-Ddnnl_DIR={_onednn_cmake_dir()}")
         build = ["cmake", "--build", str(build_dir), f"-j{os.cpu_count() or 1}"]
         try:
             subprocess.run(configure, check=True)
@@ -172,6 +193,8 @@ class CMakeBuild(build_ext):
             self._stamp_path(ext).write_text(json.dumps({"inputs": inputs, "outputs": outputs}, indent=1) + "\n")
 
 
-# libopenblas_cblas.so: OpenBLAS's matrix products under the names MLX calls (Linux; runtime.py).
-native = CMakeExtension("kernels._native", "kernels/native", companions=("libopenblas_cblas.so",))
+# libopenblas_cblas.so: OpenBLAS's matrix products under the names MLX calls (Linux; runtime.py);
+# _onednn: convolutions and products on oneDNN (kernels/onednn.py), where its CMake package is found.
+ONEDNN_MODULE = "_onednn" + sysconfig.get_config_var("EXT_SUFFIX")
+native = CMakeExtension("kernels._native", "kernels/native", companions=("libopenblas_cblas.so", ONEDNN_MODULE))
 setup(ext_modules=[native], cmdclass={"build_ext": CMakeBuild})

@@ -50,6 +50,25 @@ def entry_point(main):
     return command
 
 
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+def add_precision(parser: argparse.ArgumentParser, default: str):
+    """--precision, as predict, eval and serve take it (models/precision.py)."""
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=default,
+        help=f"the products' precision (default {default}): auto is bfloat16 on a CPU with bfloat16 instructions "
+        "(AMX-BF16, AVX512-BF16) and oneDNN, float32 elsewhere",
+    )
+
+
+def say_precision(detector):
+    """The precision a command's detector runs at, and why: one line on stderr."""
+    print(f"precision: {detector.precision} ({detector.precision_reason})", file=sys.stderr)
+
+
 def one_line(error: Exception) -> tuple[str, int]:
     """-> (the message, the exit status) of what stopped a command."""
     if isinstance(error, CommandError):

@@ -14,7 +14,7 @@ left out as training drops them), detections_val.json (COCO results format) and 
 
 from pathlib import Path
 
-from .cli import ArgumentParser, entry_point
+from .cli import ArgumentParser, add_precision, entry_point, say_precision
 from .inference.detector import Detector
 from .inference.evaluation import per_class_table
 from .weights.hub import is_hub, parse
@@ -34,6 +34,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
     )
+    add_precision(parser, "float32")  # AP is a reference number: float32 unless asked
     parser.add_argument("overrides", nargs="*", help="section.key=value, as for train.py")
     return parser.parse_args(argv)
 
@@ -46,7 +47,10 @@ def default_output_dir(checkpoint: str) -> Path:
 @entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    detector = Detector.load(args.checkpoint, args.config, args.overrides, raw_weights=args.raw_weights)
+    detector = Detector.load(
+        args.checkpoint, args.config, args.overrides, raw_weights=args.raw_weights, precision=args.precision
+    )
+    say_precision(detector)
     output_dir = args.output_dir or default_output_dir(args.checkpoint)
     stats = detector.evaluate(args.data_path, batch_size=args.batch_size, output_dir=output_dir, verbose=True)
     print(per_class_table(stats))

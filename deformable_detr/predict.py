@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from .cli import ArgumentParser, entry_point
+from .cli import ArgumentParser, add_precision, entry_point, say_precision
 from .errors import UsageError
 from .inference.detector import Detections, Detector
 from .inference.inputs import VIDEO_SUFFIXES, displayed_size, find_inputs, opened_batches
@@ -168,6 +168,7 @@ def parse_args(argv=None):
     parser.add_argument("--skip-unreadable", action="store_true", help="name unreadable images and go on")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--raw-weights", action="store_true", help="the trained weights, not their EMA (where any)")
+    add_precision(parser, "auto")
     parser.add_argument("inputs", nargs="+", metavar="INPUT")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
@@ -191,7 +192,8 @@ def main(argv=None):
     if videos:
         check_video_arguments(videos, args)
     images = readable_images(images, args.skip_unreadable, args.encoder_pixel)
-    detector = Detector.load(args.checkpoint, cfg, raw_weights=args.raw_weights)
+    detector = Detector.load(args.checkpoint, cfg, raw_weights=args.raw_weights, precision=args.precision)
+    say_precision(detector)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     if images:
         predict_images(detector, images, args, layers)

@@ -18,7 +18,7 @@ import ipaddress
 import signal
 import sys
 
-from .cli import ArgumentParser, entry_point
+from .cli import ArgumentParser, add_precision, entry_point, say_precision
 from .errors import CommandError, UsageError, install_hint
 from .inference.detector import Detector
 
@@ -46,6 +46,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--shutdown-timeout-s", type=float, default=20, help="after SIGTERM, how long requests under way may take"
     )
+    add_precision(parser, "auto")
     args = parser.parse_args(argv)
     for option, value, least in [("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1)]:
         if value < least:
@@ -87,7 +88,8 @@ def stop_quietly(signum, frame):
 def main(argv=None):
     args = parse_args(argv)
     uvicorn, create_app, with_header_deadline = server_modules()
-    detector = Detector.load(args.checkpoint, args.config)
+    detector = Detector.load(args.checkpoint, args.config, precision=args.precision)
+    say_precision(detector)
     app = create_app(
         detector,
         args.max_batch,

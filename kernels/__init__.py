@@ -3,7 +3,8 @@
 `linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
 `layer_norm`, `patches` (im2col), `bernoulli16` (random masks), `channel_affine` (a frozen batch
 norm with its residual and ReLU), `linear` (its bias rows), `sin_cos`, `masked_scale` (dropout) and
-`relu` on every CPU core; and `export_mode()`, within which all of them are MLX ops that
+`relu` on every CPU core; `onednn` (convolutions and matrix products on oneDNN, float32 and
+bfloat16, with their gradients); and `export_mode()`, within which all of them are MLX ops that
 `mx.export_function` can write.
 
 This package knows nothing of DETR. Importing it first sets up the BLAS under MLX's matrix products
@@ -13,6 +14,7 @@ from . import blas
 
 blas.set_up()
 
+from . import onednn
 from .assignment import linear_assignment
 from .backends import available as available_backends
 from .bernoulli import bernoulli16
@@ -39,6 +41,7 @@ __all__ = [
     "linear",
     "linear_assignment",
     "masked_scale",
+    "onednn",
     "ms_deform_attn",
     "patches",
     "relu",

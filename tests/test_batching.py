@@ -30,7 +30,7 @@ SCORE_ROUNDING, BOX_ROUNDING = 2e-6, 2e-4
 @pytest.fixture(scope="module")
 def detector(trained):  # noqa: F811
     _, output = trained
-    return Detector.load(output / "checkpoint.safetensors")
+    return Detector.load(output / "checkpoint.safetensors", precision="float32")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,16 @@ def test_the_padded_batch_of_mixed_sizes_changed_the_scores(detector, mixed):
 
 def test_the_predict_command_batches_as_predict(trained, detector, mixed, tmp_path):  # noqa: F811
     _, output = trained
-    argv = ["--checkpoint", str(output / "checkpoint.safetensors"), "--output-dir", str(tmp_path), "--threshold", "0"]
+    argv = [
+        "--checkpoint",
+        str(output / "checkpoint.safetensors"),
+        "--output-dir",
+        str(tmp_path),
+        "--threshold",
+        "0",
+        "--precision",
+        "float32",
+    ]
     predict_main([*argv, "--batch-size", "5", str(mixed)])
     alone = detector.predict(mixed, threshold=0.0, batch_size=1)
     for reference in alone:

@@ -11,6 +11,7 @@ from deformable_detr import Detector
 from deformable_detr.data.loader import collate
 from deformable_detr.data.transforms import normalize, resize
 from deformable_detr.errors import UsageError
+from deformable_detr.eval import parse_args as eval_arguments
 from deformable_detr.models import post_process
 from deformable_detr.predict import main as predict_main
 
@@ -29,12 +30,21 @@ CONFIGS = Path(__file__).parent.parent / "configs"
 @pytest.fixture(scope="module")
 def detector(trained):  # noqa: F811
     _, output = trained
-    return Detector.load(output / "checkpoint.safetensors")
+    return Detector.load(output / "checkpoint.safetensors", precision="float32")
 
 
 def test_results_are_the_predict_commands_json_for_a_folder(trained, detector, tmp_path):  # noqa: F811
     root, output = trained
-    argv = ["--checkpoint", str(output / "checkpoint.safetensors"), "--output-dir", str(tmp_path), "--threshold", "0"]
+    argv = [
+        "--checkpoint",
+        str(output / "checkpoint.safetensors"),
+        "--output-dir",
+        str(tmp_path),
+        "--threshold",
+        "0",
+        "--precision",
+        "float32",
+    ]
     predict_main([*argv, "--batch-size", "2", str(root / "val2017")])
     results = detector.predict(root / "val2017", threshold=0.0, batch_size=2)
     assert [r.path.name for r in results] == sorted(p.name for p in (root / "val2017").iterdir())
@@ -46,7 +56,14 @@ def test_results_are_the_predict_commands_json_for_a_folder(trained, detector, t
 def test_a_single_image_with_its_sampling_points(trained, detector, tmp_path):  # noqa: F811
     root, output = trained
     image = sorted((root / "val2017").iterdir())[1]
-    argv = ["--checkpoint", str(output / "checkpoint.safetensors"), "--output-dir", str(tmp_path)]
+    argv = [
+        "--checkpoint",
+        str(output / "checkpoint.safetensors"),
+        "--output-dir",
+        str(tmp_path),
+        "--precision",
+        "float32",
+    ]
     predict_main([*argv, "--threshold", "0.05", "--attention", str(image)])
     [result] = detector.predict(str(image), threshold=0.05, attention=True)
     written = json.loads((tmp_path / f"{image.stem}.json").read_text())
@@ -171,3 +188,40 @@ def test_evaluate_takes_a_yolo_data_yaml(trained, detector, tmp_path):  # noqa: 
     )
     stats = yolo.evaluate(data_yaml)
     assert stats["AR100"] > 0 and stats == detector.evaluate(root)  # the same images and boxes: the same AP
+
+
+def test_bfloat16_products_keep_the_float32_detections(trained, detector, capsys):  # noqa: F811
+    """--precision bfloat16: the same weights, the convolutions' and linears' products in bfloat16 (the
+    heads' float32); each float32 detection scoring >= 0.05 has a bfloat16 one of its class within
+    0.5 px. Where oneDNN is not used the products are MLX's float32 of bfloat16 copies: the same bar."""
+    root, output = trained
+    narrow = Detector.load(output / "checkpoint.safetensors", precision="bfloat16")
+    assert (narrow.precision, narrow.precision_reason) == ("bfloat16", "asked for")
+    images = sorted((root / "val2017").iterdir())
+    compared = 0
+    for wide, thin in zip(detector.predict(images, 0.05), narrow.predict(images, 0.0), strict=True):
+        for box, label in zip(wide.boxes, wide.labels, strict=True):
+            same = thin.boxes[thin.labels == label]
+            assert np.abs(same - box).max(axis=1).min() <= 0.5
+            compared += 1
+    assert compared > 0
+    predict_main(
+        [
+            "--checkpoint",
+            str(output / "checkpoint.safetensors"),
+            "--precision",
+            "bfloat16",
+            "--output-dir",
+            str(root.parent / "bf16"),
+            str(images[0]),
+        ]
+    )
+    assert "precision: bfloat16 (asked for)" in capsys.readouterr().err
+
+
+def test_precision_is_checked_before_the_weights_are_read(tmp_path):
+    with pytest.raises(ValueError, match="precision 'fp16': expected one of auto, float32, bfloat16"):
+        Detector.load(tmp_path / "missing.safetensors", precision="fp16")
+    with pytest.raises(UsageError, match="--precision: invalid choice: 'fp16'"):
+        eval_arguments(["--checkpoint", "x", "--precision", "fp16"])
+    assert eval_arguments(["--checkpoint", "x"]).precision == "float32"  # AP is a reference number

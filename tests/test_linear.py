@@ -1,6 +1,7 @@
-"""`kernels.linear` against `mx.addmm(bias, x, weight.T)` (what `nn.Linear` computes): bit for bit in
-2 and 3 dimensions, over threads, with its gradients; without a bias; other dtypes; and the model's
-`Linear` against `nn.Linear` with the same parameters."""
+"""`kernels.linear` where oneDNN is not used (its path there: tests/test_onednn.py) against
+`mx.addmm(bias, x, weight.T)` (what `nn.Linear` computes): bit for bit in 2 and 3 dimensions, over
+threads, with its gradients; without a bias; other dtypes; and the model's `Linear` against `nn.Linear`
+with the same parameters."""
 
 import sys
 
@@ -13,6 +14,11 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(native.missing() is not None, reason=f"{native.missing()}")
+
+
+@pytest.fixture(autouse=True)
+def without_onednn(monkeypatch):
+    monkeypatch.setattr(kernels.onednn, "linear", lambda *args: None)
 
 
 def assert_bits(got, want):

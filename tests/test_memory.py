@@ -55,7 +55,7 @@ def test_estimate_from_probes_is_close_to_the_measured_peak(monkeypatch):
     measured = probe_peak(trainer.loss_and_grad, 2, 256, 320, cfg.model.num_classes)
     assert [size for size, _ in estimate.probes] == [(128, 160), (181, 226)]
     assert estimate.peak_bytes == pytest.approx(measured, rel=0.1)
-    assert estimate.probes[1][1] < 0.8 * measured  # the extrapolation did the work
+    assert estimate.probes[1][1] < 0.9 * measured  # the larger probe alone would fail the check above
 
     # Before AdamW's state exists the estimate adds the two moments and the new weights. The same
     # probes are replayed: a probe's peak moves by a few MiB from run to run (how far MLX's CPU

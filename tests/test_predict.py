@@ -104,7 +104,14 @@ def reference_view(hf, image_paths):
 
 def test_sampling_points_are_the_reference_models_in_original_pixels(huggingface, tmp_path):
     hf, tmp, images = huggingface
-    argv = ["--config", str(tmp / "config.yaml"), "--checkpoint", str(tmp / "weights.safetensors")]
+    argv = [
+        "--config",
+        str(tmp / "config.yaml"),
+        "--checkpoint",
+        str(tmp / "weights.safetensors"),
+        "--precision",
+        "float32",
+    ]
     argv += ["--output-dir", str(tmp_path), "--threshold", "0", "--batch-size", "2"]
     views = [reference_view(hf, [path]) for path in images.values()]  # each alone: predict pads no image
     for layer in (0, 1):
@@ -135,7 +142,14 @@ def test_sampling_points_are_the_reference_models_in_original_pixels(huggingface
 def test_encoder_pixel_is_the_reference_models_query_there(huggingface, tmp_path):
     hf, tmp, images = huggingface
     x, y = 70.0, 45.0
-    argv = ["--config", str(tmp / "config.yaml"), "--checkpoint", str(tmp / "weights.safetensors")]
+    argv = [
+        "--config",
+        str(tmp / "config.yaml"),
+        "--checkpoint",
+        str(tmp / "weights.safetensors"),
+        "--precision",
+        "float32",
+    ]
     argv += ["--output-dir", str(tmp_path), "--batch-size", "2", "--encoder-pixel", f"{x:g},{y:g}"]
     predict_main([*argv, *map(str, images.values())])
     views = [reference_view(hf, [path]) for path in images.values()]  # each alone: predict pads no image

@@ -27,6 +27,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import kernels
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
@@ -41,6 +43,7 @@ from ..deploy.mlxfn import export_mlx
 from ..deploy.onnx.export import export_onnx
 from ..errors import UsageError
 from ..models import post_process
+from ..models.precision import DTYPES, inference_precision
 from ..weights import conversion
 from ..weights.loading import config_from_weights, load_trained_model
 from .attention_points import encoder_queries, in_pixels, recording
@@ -118,11 +121,19 @@ class Predictions(list):
 
 
 class Detector:
-    """A model in evaluation mode, its `cfg` and its `class_names` ({category id: name})."""
+    """A model in evaluation mode, its `cfg`, its `class_names` ({category id: name}) and the precision
+    of its products: `precision` auto, float32 or bfloat16 (models/precision.py); `auto` is bfloat16 on
+    a CPU with bfloat16 instructions and oneDNN, float32 elsewhere. The weights stay float32 either way
+    (an export writes them as they are); `precision_reason` says why this one."""
 
-    def __init__(self, model, cfg: Config, class_names: dict, source=None):
+    def __init__(self, model, cfg: Config, class_names: dict, source=None, precision: str = "float32"):
         self.model, self.cfg, self.class_names, self.source = model, cfg, class_names, source
+        self.precision, self.precision_reason = inference_precision(precision)
         model.eval()
+
+    def products(self):
+        """The context the forwards run in: the products in `precision` (kernels.onednn.products_in)."""
+        return kernels.onednn.products_in(DTYPES[self.precision])
 
     @staticmethod
     def config_for(weights, config=None, overrides=()) -> Config:
@@ -131,13 +142,14 @@ class Detector:
         return load_config(config, overrides) if config else config_from_weights(weights, overrides)
 
     @classmethod
-    def load(cls, weights, config=None, overrides=(), raw_weights: bool = False) -> "Detector":
+    def load(cls, weights, config=None, overrides=(), raw_weights: bool = False, precision: str = "auto") -> "Detector":
         """`weights`: a training checkpoint (its EMA where it has one, unless `raw_weights`), converted
         weights, or `hf://ORG/NAME[@REVISION]`. `config`, `overrides`: as `config_for`, or a
-        Config."""
+        Config. `precision`: auto, float32 or bfloat16 (the class's docstring)."""
+        inference_precision(precision)  # a bad name before the weights are read
         cfg = config if isinstance(config, Config) else cls.config_for(weights, config, overrides)
         model, recorded = load_trained_model(weights, cfg, raw=raw_weights)
-        return cls(model, cfg, recorded or _dataset_names(cfg), source=weights)
+        return cls(model, cfg, recorded or _dataset_names(cfg), source=weights, precision=precision)
 
     def predict(
         self,
@@ -205,7 +217,10 @@ class Detector:
         pixels, mask, _ = collate([normalize(*resize(image, empty, data.val_size, data.max_size)) for image in images])
         encoder_layer = -1 if encoder_pixel is not None else None
         asked = decoder_layer is not None or encoder_layer is not None
-        with recording(self.model, decoder_layer, encoder_layer) if asked else contextlib.nullcontext({}) as recorders:
+        with (
+            recording(self.model, decoder_layer, encoder_layer) if asked else contextlib.nullcontext({}) as recorders,
+            self.products(),
+        ):
             outputs = self.model(mx.array(pixels), mx.array(mask))
         results = post_process(outputs, [[image.height, image.width] for image in images])
         calls = {part: recorder.calls[0] for part, recorder in recorders.items()}
@@ -251,7 +266,8 @@ class Detector:
             print(line, file=sys.stderr)
         batch_size = batch_size or evaluation_batch_size(self.cfg)
         backend = self.cfg.evaluation.backend
-        evaluation = evaluate(self.model, dataset, batch_size, data.num_workers, verbose, backend, class_map)
+        with self.products():
+            evaluation = evaluate(self.model, dataset, batch_size, data.num_workers, verbose, backend, class_map)
         if output_dir is not None:
             output_dir = Path(output_dir)
             output_dir.mkdir(parents=True, exist_ok=True)

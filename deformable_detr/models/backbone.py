@@ -41,6 +41,9 @@ class Conv2d(nn.Conv2d):
         on_cpu = mx.default_device().type == mx.cpu and not kernels.exporting()
         if not on_cpu or (stride, padding) != (stride_w, padding_w) or self.groups != 1:
             return super().__call__(x)
+        y = kernels.onednn.conv2d(x, self.weight, stride, padding, dilation)
+        if y is not None:
+            return y + self.bias if "bias" in self else y
         if self.weight.shape[1:3] == (1, 1) and padding == 0:
             y = x[:, ::stride, ::stride] @ self.weight.reshape(self.weight.shape[0], -1).T
         else:
@@ -136,7 +139,7 @@ class ResNet(nn.Module):
         kind, depths = ARCHITECTURES[name]
         block = Bottleneck if kind == "bottleneck" else BasicBlock
         widths = (width, 2 * width, 4 * width, 8 * width)  # torchvision: width 64
-        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.conv1 = Conv2d(3, width, 7, 2, 3, bias=False)
         self.bn1 = FrozenBatchNorm2d(width)
         self.maxpool = nn.MaxPool2d(3, 2, 1)
         in_channels, current_dilation = width, 1

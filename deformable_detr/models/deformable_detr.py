@@ -12,11 +12,12 @@ from .box_ops import box_cxcywh_to_xyxy
 from .deformable_transformer import DeformableTransformer, inverse_sigmoid
 from .linear import Linear
 from .position_encoding import PositionEmbeddingSine
-from .precision import GroupNorm, to
+from .precision import GroupNorm, float32_heads, to
 
 
 class MLP(nn.Module):
-    """Linear layers with ReLU between them."""
+    """Linear layers with ReLU between them. The box head: its products in float32 at any inference
+    precision (models/precision.py)."""
 
     def __init__(self, input_dim: int, hidden_dim: int, output_dim: int, num_layers: int):
         super().__init__()
@@ -24,9 +25,18 @@ class MLP(nn.Module):
         self.layers = [Linear(n, k) for n, k in zip(dims[:-1], dims[1:], strict=True)]
 
     def __call__(self, x):
-        for i, layer in enumerate(self.layers):
-            x = layer(x) if i == len(self.layers) - 1 else nn.relu(layer(x))
+        with float32_heads():
+            for i, layer in enumerate(self.layers):
+                x = layer(x) if i == len(self.layers) - 1 else nn.relu(layer(x))
         return x
+
+
+class ClassHead(Linear):
+    """The class head: its products in float32 at any inference precision (models/precision.py)."""
+
+    def __call__(self, x):
+        with float32_heads():
+            return super().__call__(x)
 
 
 def _sequential(layers, x):
@@ -66,7 +76,7 @@ class DeformableDETR(nn.Module):
         num_layers = len(transformer.decoder.layers)
         num_pred = num_layers + 1 if two_stage else num_layers
         num_heads = num_pred if with_box_refine else 1
-        self.class_embed = [Linear(hidden_dim, num_classes) for _ in range(num_heads)]
+        self.class_embed = [ClassHead(hidden_dim, num_classes) for _ in range(num_heads)]
         self.bbox_embed = [MLP(hidden_dim, hidden_dim, 4, 3) for _ in range(num_heads)]
         if not two_stage:
             self.query_embed = nn.Embedding(num_queries, hidden_dim * 2)

@@ -36,18 +36,18 @@ class MultiheadAttention(nn.Module):
     def __call__(self, query, key, value):
         b, q_len, d = query.shape
         w, bias = self.in_proj_weight, self.in_proj_bias
-        q = query @ w[:d].T + bias[:d]
-        k = key @ w[d : 2 * d].T + bias[d : 2 * d]
-        v = value @ w[2 * d :].T + bias[2 * d :]
+        q = kernels.linear(query, w[:d], bias[:d])
+        k = kernels.linear(key, w[d : 2 * d], bias[d : 2 * d])
+        v = kernels.linear(value, w[2 * d :], bias[2 * d :])
         head_dim = d // self.n_heads
 
-        def heads(x):  # (B, N, d) -> (B, n_heads, N, head_dim)
-            return x.reshape(b, -1, self.n_heads, head_dim).transpose(0, 2, 1, 3)
+        def heads(x):  # (B, N, d) -> (B, n_heads, N, head_dim), float32: MLX's bfloat16 products are slow
+            return widened(x).reshape(b, -1, self.n_heads, head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = heads(q), heads(k), heads(v)
         weights = kernels.softmax((q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2))
         out = (weights @ v).transpose(0, 2, 1, 3).reshape(b, q_len, d)
-        return self.out_proj(out)
+        return self.out_proj(to(out, query.dtype))
 
 
 class DeformableTransformerEncoderLayer(nn.Module):

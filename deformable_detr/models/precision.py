@@ -6,7 +6,14 @@ convolutions, linears and the attention's values compute in bfloat16, while the 
 (`LayerNorm`, `GroupNorm`, frozen batch norm), the softmaxes, the sampling locations and the
 attention core's accumulation compute in float32; the outputs go to the losses and the matching in
 float32. The gradients reach the float32 weights through the copies. Evaluation and prediction run
-in float32. In float32 every cast here is skipped: the model is exactly the one without it."""
+in float32. In float32 every cast here is skipped: the model is exactly the one without it.
+
+Inference (`--precision auto | float32 | bfloat16`, `Detector.load(precision=)`): `inference_precision`
+resolves `auto`; the forward then runs inside `kernels.onednn.products_in(mx.bfloat16)`: the
+convolutions' and linears' products run in bfloat16 on oneDNN with float32 operands and results (but
+the class and box heads', `float32_heads`), while everything between them (the normalisations,
+softmaxes, the attention core and its sampling locations, the boxes and the postprocess) stays
+float32."""
 
 from contextlib import contextmanager
 
@@ -98,3 +105,30 @@ def computing_in(model: nn.Module, dtype):
         yield
     finally:
         model.update(own)
+
+
+INFERENCE_PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+def inference_precision(precision: str) -> tuple[str, str]:
+    """`precision` (one of INFERENCE_PRECISIONS) -> (float32 or bfloat16, why). `auto` is bfloat16 where
+    the products are fast in it: on the CPU, with oneDNN, on a CPU with AMX-BF16 or AVX512-BF16 (as
+    OpenVINO's default); float32 elsewhere (MLX has no fast bfloat16 product on a CPU without them)."""
+    if precision not in INFERENCE_PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(INFERENCE_PRECISIONS)}")
+    if precision != "auto":
+        return precision, "asked for"
+    if mx.default_device().type != mx.cpu:
+        return "float32", f"auto: the default device is {mx.default_device()}"
+    if kernels.onednn.module() is None:
+        return "float32", f"auto: oneDNN is {kernels.onednn.describe()}"
+    flags = kernels.onednn.bfloat16_instructions()
+    if not flags:
+        return "float32", "auto: this CPU has no bfloat16 product instructions (AMX-BF16, AVX512-BF16)"
+    return "bfloat16", f"auto: this CPU has {', '.join(flags)}"
+
+
+def float32_heads():
+    """Around the class and box heads: their products in float32 whatever `products_in` asks (a few
+    hundred rows: no time), so that the scores and boxes come from float32 products."""
+    return kernels.onednn.products_in(mx.float32)
