@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-COLORS = [(238, 119, 51), (0, 119, 187), (0, 153, 136), (204, 51, 17)]
+COLORS = [(238, 119, 51), (0, 119, 187), (0, 153, 136), (204, 51, 17), (51, 187, 238), (238, 51, 119)]
 
 
 def cpu_model(count: bool = False) -> str:

@@ -1,23 +1,29 @@
-"""R50 Deformable DETR inference on the CPU where a model is deployed, in one run: this port (MLX),
-its .mlxfn file in plain MLX, onnxruntime on this port's exported ONNX file, and PyTorch (Hugging
-Face's model).
+"""R50 Deformable DETR inference on the CPU where a model is deployed, in one run: this port (MLX)
+in float32 and bfloat16, its .mlxfn file in plain MLX, onnxruntime and OpenVINO (f32, bf16) on this
+port's exported ONNX file, and PyTorch (Hugging Face's model) in float32 and under autocast bfloat16.
 
     python bench/deploy.py [--repeats 3] [--threads N] [--output-dir DIR] [--mlx-only | --no-mlxfn]
 
 configs/r50.yaml with random weights, batch 1 at 800 x 1066 (the authors' evaluation size). Ours
-and PyTorch are measured by bench/model.py's own processes (its inference row, the same code);
-onnxruntime runs the file `export --to onnx --size 800 1066` writes (the canvas the image fills),
-once with each sampler (gather, the default; grid_sample), on all `--threads` cores
-(intra_op_num_threads) with its default graph optimisations, as a CPU server would run it. OpenVINO
-(where installed) runs the same files as they are in its CPU plugin on `--threads` threads
-(INFERENCE_NUM_THREADS), at f32 and, where the CPU has bfloat16 instructions, at its default
-precision there (bf16), with the largest difference of its logits and boxes from its f32 ones; the
-notes under the table also compare OpenVINO at f32 with onnxruntime on the same input. The
-.mlxfn file (`export --to mlx --size 800 1066`) runs in a Python process that imports only mlx
-(`mx.import_function`, MLX's own BLAS and ops: none of this package's CPU kernels), as mlx-c or
-mlx-swift would run it; `--mlx-only` measures ours and that file only. Each
-side runs in its own process and reports its median over `--repeats` after a warm-up and its peak
-resident memory; the export runs in a process of its own first and is timed.
+and PyTorch are measured by bench/model.py's own processes (its inference rows, the same code):
+`ours (MLX, float32)` and `ours (MLX, bfloat16)` (the forward inside
+`kernels.onednn.products_in(mx.bfloat16)`, as `--precision bfloat16` predicts), `(default)` on the
+one `--precision auto` picks on this machine (bfloat16 on a CPU with AMX-BF16 or AVX512-BF16), the
+row the others' ratios are against; `PyTorch (float32)` and `PyTorch (autocast bfloat16)` (the
+forward under `torch.autocast("cpu", dtype=torch.bfloat16)`, a user's fastest PyTorch there). The
+header names the CPU and its bfloat16 instructions (/proc/cpuinfo). onnxruntime runs the file
+`export --to onnx --size 800 1066` writes (the canvas the image fills), once with each sampler
+(gather, the default; grid_sample), on all `--threads` cores (intra_op_num_threads) with its
+default graph optimisations, as a CPU server would run it. OpenVINO (where installed) runs the same
+files as they are in its CPU plugin on `--threads` threads (INFERENCE_NUM_THREADS), at f32 and,
+where the CPU has bfloat16 instructions, at its default precision there (bf16), with the largest
+difference of its logits and boxes from its f32 ones; the notes under the table also compare
+OpenVINO at f32 with onnxruntime on the same input. The .mlxfn file (`export --to mlx --size 800
+1066`) runs in a Python process that imports only mlx (`mx.import_function`, MLX's own BLAS and ops:
+none of this package's CPU kernels; float32), as mlx-c or mlx-swift would run it; `--mlx-only`
+measures ours and that file only. Each row runs in its own process and reports its median over
+`--repeats` after a warm-up and its peak resident memory; the export runs in a process of its own
+first and is timed.
 Writes `deploy_cpu.txt` to --output-dir (default bench/results).
 """
 
@@ -38,10 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 # the measuring processes (bench/model.py's too) import this checkout's package, installed or not
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+import kernels  # noqa: E402
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 
 from common import cpu_model, measured, median_time, report  # noqa: E402
-from model import SIZE, run_side  # noqa: E402
+from model import PRECISIONS, SIZE, TORCH_LABELS, run_side  # noqa: E402
 
 SAMPLERS = ("gather", "grid_sample")
 
@@ -228,7 +235,7 @@ def openvino_rows(directory: Path, args, notes: list) -> list:
 
 
 def table(rows: list, ours: float) -> list:
-    lines = ["| runtime | s / image | its time / ours (> 1: slower than ours) | peak RSS MiB |"]
+    lines = ["| runtime | s / image | its time / ours (default) (> 1: slower than ours) | peak RSS MiB |"]
     lines.append("| --- | ---: | ---: | ---: |")
     for name, result in rows:
         lines.append(
@@ -237,10 +244,18 @@ def table(rows: list, ours: float) -> list:
     return lines
 
 
+def ours_rows(args) -> list:
+    """Ours in float32 and with bfloat16 products, in bench/model.py's processes; `(default)` on the
+    one `--precision auto` picks (as ours' process says)."""
+    runs = {p: run_side("ours", "inference", args.repeats, SIZE, args.threads, precision=p) for p in PRECISIONS}
+    default = runs["float32"]["auto"][0]
+    return [(f"ours (MLX, {p})" + (" (default)" if p == default else ""), result) for p, result in runs.items()]
+
+
 def measure_rows(directory: Path, args, notes: list) -> tuple:
     """-> ([(runtime, its measurement)], the exports' lines), ours first; `notes` gets the lines
     under the table."""
-    rows, exports = [("ours (MLX)", run_side("ours", "inference", args.repeats, SIZE, args.threads))], []
+    rows, exports = ours_rows(args), []
     if args.no_mlxfn:  # plain MLX on this CPU takes minutes an image
         exports.append("export --to mlx: not measured (--no-mlxfn)")
     else:
@@ -261,7 +276,8 @@ def measure_rows(directory: Path, args, notes: list) -> tuple:
         result = run_runtime(directory / f"r50_{sampler}.onnx", "onnxruntime", args.repeats, args.threads)
         rows.append((f"onnxruntime, our ONNX file ({sampler} sampler)", result))
     rows += openvino_rows(directory, args, notes)
-    rows.append(("PyTorch (transformers)", run_side("torch", "inference", args.repeats, SIZE, args.threads)))
+    for precision, label in TORCH_LABELS.items():
+        rows.append((label, run_side("torch", "inference", args.repeats, SIZE, args.threads, precision=precision)))
     return rows, exports
 
 
@@ -296,17 +312,21 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as directory:
         rows, exports = measure_rows(Path(directory), args, notes)
     versions = sorted({f"{name.split(' (')[0]}: {result['versions']}" for name, result in rows})
+    default = next(result for name, result in rows if name.endswith("(default)"))
+    flags = kernels.onednn.bfloat16_instructions()
     lines = [
         f"R50 Deformable DETR inference, batch 1, {SIZE[0]} x {SIZE[1]}, random weights (configs/r50.yaml)",
-        f"CPU: {cpu_model()}, {args.threads} threads for each side; {datetime.date.today().isoformat()}; "
-        f"python {platform.python_version()}",
+        f"CPU: {cpu_model()}, bfloat16 instructions: {', '.join(flags) or 'none'} "
+        f"(of {', '.join(kernels.onednn.BFLOAT16_FLAGS)}); {args.threads} threads for each side; "
+        f"{datetime.date.today().isoformat()}; python {platform.python_version()}",
         *versions,
+        f"`--precision auto` picks {default['auto'][0]} here ({default['auto'][1]}): ours' default",
         *exports,
         f"median of {args.repeats} after a warm-up, each side in its own process; load average (1 min) "
         f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores (above {args.threads}: "
         "other work shared the cores, and the times are noisy)",
         "",
-        *table(rows, rows[0][1]["seconds"]),
+        *table(rows, default["seconds"]),
         *([""] + notes if notes else []),
     ]
     report(lines, args.output_dir / "deploy_cpu.txt")

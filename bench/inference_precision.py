@@ -11,6 +11,7 @@ precisions in one process, on the same weights (a Detector's weights stay float3
 """
 
 import datetime
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def main(argv=None):
     images = sorted(val.iterdir())
     found = {p: detections(d, images) for p, d in detectors.items()}
     lines = [
-        f"Inference at bfloat16 against float32, {args.checkpoint} on its val set ({len(images)} images); "
+        f"Inference at bfloat16 against float32, {os.path.relpath(args.checkpoint)} on its val set "
+        f"({len(images)} images); "
         f"{datetime.date.today()}, {cpu_model()}, bfloat16 instructions: "
         f"{', '.join(onednn.bfloat16_instructions()) or 'none'}; mlx {mx.__version__}, {onednn.describe()}; "
         f"auto picks {inference_precision('auto')[0]} here",

@@ -1,4 +1,5 @@
-"""R50 Deformable DETR on the CPU, this port against PyTorch, in one run: inference and a training step.
+"""R50 Deformable DETR on the CPU, this port against PyTorch, in one run: inference and a training step,
+each in float32 and in bfloat16.
 
     python bench/model.py [--task inference|train|both] [--train-size 800x1066,512x683] [--repeats 3]
                           [--threads N] [--output-dir DIR]
@@ -6,39 +7,56 @@
 PyTorch side: Hugging Face's `DeformableDetrForObjectDetection` (the authors' architecture: ResNet-50,
 6 + 6 layers, 300 queries, 4 levels, 91 classes; its deformable attention core is PyTorch ops on
 the CPU, as the authors' `ms_deform_attn_core_pytorch`), random weights, `--threads` torch threads,
-stem and layer1 frozen for training as the authors do. Ours: `configs/r50.yaml`, on the BLAS and malloc
-set up as the package is imported (deformable_detr/runtime.py), the attention on the fastest backend
-here. Each side runs in its own process, which reports its median time over `--repeats` after a
-warm-up and its peak resident memory (ru_maxrss, the whole process: Python, libraries, weights and
-activations). Both processes keep freed memory in glibc's heap as our commands do
-(`runtime.malloc_environment`): PyTorch gains as much from it (a training step at 512 x 683 in
-13.4 s instead of 19.0 s here); `--torch-malloc default` runs PyTorch on glibc's defaults instead,
-as a plain PyTorch script runs.
+stem and layer1 frozen for training as the authors do; in float32 and under
+`torch.autocast("cpu", dtype=torch.bfloat16)` (the forward and the loss inside it, the backward and
+the optimizer step outside, as PyTorch recommends: a user's fastest PyTorch on a CPU with bfloat16
+instructions). Ours: `configs/r50.yaml`, on the BLAS and malloc set up as the package is imported
+(deformable_detr/runtime.py), the convolutions and linears on oneDNN (kernels/onednn.py), the
+attention on the fastest backend here. Each row runs in its own process, which reports its median
+time over `--repeats` after a warm-up and its peak resident memory (ru_maxrss, the whole process:
+Python, libraries, weights and activations). All processes keep freed memory in glibc's heap as our
+commands do (`runtime.malloc_environment`): PyTorch gains as much from it (a training step at
+512 x 683 in 13.4 s instead of 19.0 s here); `--torch-malloc default` runs PyTorch on glibc's
+defaults instead, as a plain PyTorch script runs.
 
-Inference: batch 1 at 800 x 1066 (the authors' evaluation size), images/s. Training: batch 2 at each
-`--train-size`, forward, Hungarian matching, losses, backward and an AdamW step; ours with activation
-checkpointing off and on (`train.activation_checkpointing`), the R50 configs' default (`auto`: off
-where the step fits the memory budget without it, as here for these steps) marked `(default)`; with
-MLX's own peak (`mx.get_peak_memory`: arrays only) beside the process's.
-Writes `model_cpu.txt` and `model_cpu.png` to --output-dir (default bench/results).
+Inference: batch 1 at 800 x 1066 (the authors' evaluation size). Rows `PyTorch (float32)`,
+`PyTorch (autocast bfloat16)`, `ours (MLX, float32)` and `ours (MLX, bfloat16)` (the forward inside
+`kernels.onednn.products_in(mx.bfloat16)`: float32 weights and activations, the convolutions' and
+linears' products in bfloat16, as `--precision bfloat16` predicts); `(default)` marks the one
+`--precision auto` picks on this machine (`models.precision.inference_precision`: bfloat16 on a CPU
+with AMX-BF16 or AVX512-BF16, float32 elsewhere; asked in ours' measuring process).
+Training: batch 2 at each `--train-size`, forward, Hungarian matching, losses, backward and an AdamW
+step; ours in float32 with activation checkpointing off and on (`train.activation_checkpointing`),
+the R50 configs' default (`auto`: off where the step fits the memory budget without it, as here for
+these steps) marked `(default)`, and `ours (MLX, bfloat16)`: `train.precision=bfloat16` (bfloat16
+weight copies and activations through oneDNN) with that default checkpointing choice; with MLX's own
+peak (`mx.get_peak_memory`: arrays only) beside the process's.
+The table gives, per row, its seconds, PyTorch float32's time / its time (> 1: faster than PyTorch
+float32) and its peaks; the header names the CPU and its bfloat16 instructions (/proc/cpuinfo).
+Writes `model_cpu.txt` and `model_cpu.png` (seconds per image, a bar per row) to --output-dir
+(default bench/results).
 """
 
 import argparse
 import json
 import os
 import platform
+import re
 import resource
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+import kernels  # noqa: E402
 from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 
 from common import bars, cpu_model, image_sizes, load_average, measured, median_time  # noqa: E402
 
 SIZE = (800, 1066)
+PRECISIONS = ("float32", "bfloat16")  # each side's rows (PyTorch's bfloat16: autocast)
 
 
 def targets_for(batch):
@@ -46,11 +64,11 @@ def targets_for(batch):
     return [{"labels": [1, 17, 62], "boxes": boxes} for _ in range(batch)]
 
 
-def ours_setup(task, size, checkpointing=False):
+def ours_setup(task, size, checkpointing=False, precision="float32"):
     """configs/r50.yaml's model on seeded random images: inference at batch 1 (evaluation mode, dropout
-    off), or a training step at batch 2 (its Trainer: stem and layer1 frozen), the weights from seed 0.
-    -> (cfg, model, trainer or None, images, mask, targets or None), the images and mask numpy
-    (B, H, W, 3) and (B, H, W)."""
+    off), or a training step at batch 2 (its Trainer: stem and layer1 frozen; `precision`:
+    `train.precision`), the weights from seed 0. -> (cfg, model, trainer or None, images, mask, targets
+    or None), the images and mask numpy (B, H, W, 3) and (B, H, W)."""
     import mlx.core as mx
     import numpy as np
 
@@ -60,6 +78,7 @@ def ours_setup(task, size, checkpointing=False):
 
     overrides = [f"train.activation_checkpointing={str(checkpointing).lower()}"]
     overrides += ["schedule.batch_size=2", "schedule.micro_batch_size=2"]  # the step below: the plan's probes of 2
+    overrides += [f"train.precision={precision}"] if task == "train" else []  # inference: products_in (measure_ours)
     cfg = load_config(ROOT / "configs" / "r50.yaml", overrides + ([] if task == "train" else ["model.dropout=0.0"]))
     mx.random.seed(0)
     model = build_model(cfg)
@@ -79,15 +98,24 @@ def ours_setup(task, size, checkpointing=False):
     return cfg, model, trainer, images, mask, targets
 
 
-def measure_ours(task, repeats, size, checkpointing):
+def measure_ours(task, repeats, size, checkpointing, precision):
+    """Ours in this process: inference with the products in `precision` (float32 weights and
+    activations either way), or a training step at `train.precision=precision`. The result says what
+    `--precision auto` picks here (`auto`: [precision, why])."""
     import kernels
+    from deformable_detr.models.precision import DTYPES, inference_precision
 
     import mlx.core as mx
 
-    _, model, trainer, images, mask, targets = ours_setup(task, size, checkpointing)
+    _, model, trainer, images, mask, targets = ours_setup(task, size, checkpointing, precision)
     if task == "inference":
         x, m = mx.array(images), mx.array(mask)
-        seconds = median_time(lambda: mx.eval(model(x, m)), repeats)
+
+        def run():
+            with kernels.onednn.products_in(DTYPES[precision]):  # as Detector.products()
+                mx.eval(model(x, m))
+
+        seconds = median_time(run, repeats)
     else:
         seconds = median_time(lambda: trainer.step([(images, mask, targets)]), repeats)
     backend = kernels.available_backends()[-1]
@@ -95,11 +123,17 @@ def measure_ours(task, repeats, size, checkpointing):
         "seconds": seconds,
         "batch": len(images),
         "mlx_peak_mib": mx.get_peak_memory() / 2**20,
-        "versions": f"mlx {mx.__version__}, attention backend {backend}, BLAS {kernels.blas.description()}",
+        "auto": inference_precision("auto"),
+        "versions": f"mlx {mx.__version__}, attention backend {backend}, BLAS {kernels.blas.description()}, "
+        f"convolutions and linears on {kernels.onednn.describe()}",
     }
 
 
-def measure_torch(task, repeats, size, threads):
+def measure_torch(task, repeats, size, threads, precision):
+    """PyTorch in this process: in float32, or (`precision` bfloat16) its forward (and loss) under
+    `torch.autocast("cpu", dtype=torch.bfloat16)`, the backward and the optimizer step outside it."""
+    import contextlib
+
     import torch
     import transformers
 
@@ -116,11 +150,17 @@ def measure_torch(task, repeats, size, threads):
     batch = 1 if task == "inference" else 2
     images = torch.randn(batch, 3, *size)
     pixel_mask = torch.ones(batch, *size, dtype=torch.long)
+
+    def autocast():
+        if precision == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
     if task == "inference":
         model.eval()
 
         def run():
-            with torch.no_grad():
+            with torch.no_grad(), autocast():
                 model(pixel_values=images, pixel_mask=pixel_mask)
 
     else:
@@ -135,12 +175,16 @@ def measure_torch(task, repeats, size, threads):
 
         def run():
             optimizer.zero_grad()
-            model(pixel_values=images, pixel_mask=pixel_mask, labels=labels).loss.backward()
+            with autocast():
+                loss = model(pixel_values=images, pixel_mask=pixel_mask, labels=labels).loss
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
             optimizer.step()
 
     seconds = median_time(run, repeats)
-    return {"seconds": seconds, "batch": batch, "versions": f"torch {torch.__version__}, {threads} threads"}
+    capability = torch.backends.cpu.get_cpu_capability()
+    versions = f"torch {torch.__version__}, {threads} threads, CPU capability {capability}"
+    return {"seconds": seconds, "batch": batch, "versions": versions}
 
 
 def default_checkpointing(without: dict) -> bool:
@@ -152,8 +196,9 @@ def default_checkpointing(without: dict) -> bool:
     return without["mlx_peak_mib"] * 2**20 > budget_bytes(load_config(ROOT / "configs" / "r50.yaml").train)
 
 
-def run_side(side, task, repeats, size, threads, checkpointing=False, torch_malloc="same"):
-    """One side in its own process: its peak memory is its own."""
+def run_side(side, task, repeats, size, threads, checkpointing=False, torch_malloc="same", precision="float32"):
+    """One side (ours or torch) at `precision` (float32 or bfloat16) in its own process: its peak
+    memory is its own."""
     sys.path.insert(0, str(ROOT))
     from deformable_detr import runtime
 
@@ -163,30 +208,66 @@ def run_side(side, task, repeats, size, threads, checkpointing=False, torch_mall
     command = [sys.executable, __file__, "--measure", side, "--task", task, "--repeats", str(repeats)]
     command += ["--threads", str(threads), "--train-size", f"{size[0]}x{size[1]}"]
     command += ["--checkpointing"] if checkpointing else []
-    return measured(command, env, f"{side} {task}")
+    command += ["--precision", precision]
+    return measured(command, env, f"{side} {task} {precision}")
 
 
-def compare(task: str, size: tuple, args, versions: set) -> tuple:
-    """One task in PyTorch and in ours (checkpointing off and on for training): the table's rows and
-    (the task's name, its bars)."""
-    theirs = run_side("torch", task, args.repeats, size, args.threads, torch_malloc=args.torch_malloc)
-    versions.add(f"PyTorch: {theirs['versions']}")
-    name = f"{task}, batch {theirs['batch']}, {size[0]}x{size[1]}"
-    bars_of_task = [("PyTorch", theirs["seconds"] / theirs["batch"])]
-    measured, rows = {}, []
-    for checkpointing in (False, True) if task == "train" else (False,):
-        measured[checkpointing] = ours = run_side("ours", task, args.repeats, size, args.threads, checkpointing)
-        versions.add(f"ours: {ours['versions']}")
-    for checkpointing, ours in measured.items():
-        label = "ours" if task == "inference" else f"ours, checkpointing {'on' if checkpointing else 'off'}"
-        if task == "inference" or checkpointing == default_checkpointing(measured[False]):
-            label += " (default)"
-        rows.append(
-            f"| {name}: {label} | {theirs['seconds']:.2f} | {ours['seconds']:.2f} "
-            f"| {theirs['seconds'] / ours['seconds']:.2f} | {theirs['peak_rss_mib']:.0f} "
-            f"| {ours['peak_rss_mib']:.0f} | {ours['mlx_peak_mib']:.0f} |"
+TORCH_LABELS = {"float32": "PyTorch (float32)", "bfloat16": "PyTorch (autocast bfloat16)"}
+
+
+def ours_runs(task: str, size: tuple, args) -> list:
+    """Ours' rows of a task: [(label, measurement)]. Inference: float32 and bfloat16 products, the one
+    `--precision auto` picks marked `(default)`. Training: float32 with checkpointing off and on, the
+    default choice marked, then `train.precision=bfloat16` with that checkpointing."""
+    run = partial(run_side, "ours", task, args.repeats, size, args.threads)
+    if task == "inference":
+        runs = {precision: run(precision=precision) for precision in PRECISIONS}
+        default = runs["float32"]["auto"][0]
+        return [
+            (f"ours (MLX, {precision})" + (" (default)" if precision == default else ""), result)
+            for precision, result in runs.items()
+        ]
+    runs = {checkpointing: run(checkpointing) for checkpointing in (False, True)}
+    default = default_checkpointing(runs[False])
+    rows = [
+        (
+            f"ours (MLX, float32), checkpointing {'on' if checkpointing else 'off'}"
+            + (" (default)" if checkpointing == default else ""),
+            result,
         )
-        bars_of_task.append((label.replace("ours", "this port"), ours["seconds"] / ours["batch"]))
+        for checkpointing, result in runs.items()
+    ]
+    bfloat16 = run(default, precision="bfloat16")
+    rows.append((f"ours (MLX, bfloat16), checkpointing {'on' if default else 'off'}", bfloat16))
+    return rows
+
+
+def short(label: str) -> str:
+    """A row's label as its bar in the chart names it."""
+    label = re.sub(r"\((?:MLX, )?((?:autocast )?(?:float32|bfloat16))\)", r"\1", label.replace("ours", "this port"))
+    return label.replace("float32", "f32").replace("bfloat16", "bf16").replace("checkpointing", "ckpt")
+
+
+def compare(task: str, size: tuple, args, versions: set, auto: list) -> tuple:
+    """One task in PyTorch (float32, autocast bfloat16) and in ours (ours_runs): the table's rows and
+    (the task's name, its bars); `auto` gets what `--precision auto` picks (from ours' processes)."""
+    runs = [
+        (label, run_side("torch", task, args.repeats, size, args.threads, torch_malloc=args.torch_malloc, precision=p))
+        for p, label in TORCH_LABELS.items()
+    ]
+    runs += ours_runs(task, size, args)
+    reference = runs[0][1]["seconds"]  # PyTorch float32
+    name = f"{task}, batch {runs[0][1]['batch']}, {size[0]}x{size[1]}"
+    rows, bars_of_task = [], []
+    for label, result in runs:
+        versions.add(f"{label.split(' (')[0]}: {result['versions']}")
+        auto += [tuple(result["auto"])] if "auto" in result else []
+        mlx_peak = f"{result['mlx_peak_mib']:.0f}" if "mlx_peak_mib" in result else ""
+        rows.append(
+            f"| {name} | {label} | {result['seconds']:.2f} | {reference / result['seconds']:.2f} "
+            f"| {result['peak_rss_mib']:.0f} | {mlx_peak} |"
+        )
+        bars_of_task.append((short(label), result["seconds"] / result["batch"]))
         print(rows[-1], flush=True)
     return rows, (name, bars_of_task)
 
@@ -209,38 +290,42 @@ def main(argv=None):
     )
     parser.add_argument("--measure", choices=["ours", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", choices=PRECISIONS, default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     train_sizes = args.train_size
     if args.measure:
         size = SIZE if args.task == "inference" else train_sizes[0]
         if args.measure == "ours":
-            result = measure_ours(args.task, args.repeats, size, args.checkpointing)
+            result = measure_ours(args.task, args.repeats, size, args.checkpointing, args.precision)
         else:
-            result = measure_torch(args.task, args.repeats, size, args.threads)
+            result = measure_torch(args.task, args.repeats, size, args.threads, args.precision)
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
         return
 
     jobs = [("inference", SIZE)] if args.task in ("inference", "both") else []
     jobs += [("train", size) for size in train_sizes] if args.task in ("train", "both") else []
+    flags = kernels.onednn.bfloat16_instructions()  # /proc/cpuinfo only: oneDNN is not loaded here
     lines = [
         f"run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
+        f"bfloat16 instructions: {', '.join(flags) or 'none'} (of {', '.join(kernels.onednn.BFLOAT16_FLAGS)}); "
         f"load average at start: {load_average()}",
-        f"machine: {platform.machine()}, {platform.system()}, {args.threads} cores used by each side, "
+        f"machine: {platform.machine()}, {platform.system()}, {args.threads} cores used by each process, "
         f"python {platform.python_version()}",
-        f"median of {args.repeats} after a warm-up; ratio = PyTorch time / ours (> 1: ours faster); "
-        "peak = peak RSS of each side's process (MLX: arrays only, mx.get_peak_memory); PyTorch's malloc: "
+        f"median of {args.repeats} after a warm-up, each row in its own process, one after another; "
+        "ratio = PyTorch float32's time / the row's (> 1: faster than PyTorch float32); "
+        "peak RSS = the row's process (MLX peak: arrays only, mx.get_peak_memory); PyTorch's malloc: "
         + ("as ours (freed memory kept)" if args.torch_malloc == "same" else "glibc's defaults"),
         "",
-        "| task | PyTorch (s) | ours (s) | ratio | PyTorch peak MiB | ours peak MiB | ours MLX peak MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| task | implementation | s | ratio | peak RSS MiB | MLX peak MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    groups, versions = [], set()
+    groups, versions, auto = [], set(), []
     for task, size in jobs:
-        rows, bars_of_task = compare(task, size, args, versions)
+        rows, bars_of_task = compare(task, size, args, versions, auto)
         lines += rows
         groups.append(bars_of_task)
-    lines[1:1] = sorted(versions)
+    lines[1:1] = sorted(versions) + [f"`--precision auto` picks {auto[0][0]} here ({auto[0][1]})"]
     text = "\n".join(lines)
     print(text)
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,15 @@
 """An R50 training step in float32 and in bfloat16 (`train.precision`) on this machine: time and
 peak memory, each precision in its own process.
 
-    python bench/precision.py [--size 800x1066] [--repeats 1] [--output bench/results/precision_cpu.txt]
+    python bench/precision.py [--size 800x1066] [--repeats 1] [--steps 1] [--output bench/results/precision_cpu.txt]
 
-`configs/r50.yaml` (its activation checkpointing on), one micro-batch of 2 synthetic images of
-`--size` with three boxes each, random weights (seeded: the same for both, and the same dropout
+`configs/r50.yaml` (its activation checkpointing `auto`: off where the step fits), one micro-batch of
+2 synthetic images of `--size` with three boxes each, random weights (seeded: the same for both, and the same dropout
 masks); the median of `--repeats` steps after a warm-up
 step. Memory: MLX's peak (`mx.get_peak_memory`, arrays only) and the process's peak RSS. The
 measured processes set themselves up as every process that imports deformable_detr (runtime.py).
+`--steps N`: then N more steps on the same batch, each step's loss in both precisions, and the largest
+relative difference of bfloat16's trajectory from float32's.
 """
 
 import argparse
@@ -20,12 +22,12 @@ from pathlib import Path
 from deformable_detr.cli import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import image_sizes, measured, median_time, report  # noqa: E402
+from common import cpu_model, image_sizes, measured, median_time, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(precision: str, size: tuple[int, int], repeats: int) -> dict:
+def measure(precision: str, size: tuple[int, int], repeats: int, steps: int = 0) -> dict:
     from deformable_detr import build_model, load_config
     from deformable_detr.training.trainer import Trainer, seed_step
 
@@ -50,7 +52,12 @@ def measure(precision: str, size: tuple[int, int], repeats: int) -> dict:
         losses.append(trainer.step([(images, mask, targets)])[0]["loss"])
 
     seconds = median_time(step, repeats)
+    trajectory = []
+    for index in range(steps):
+        seed_step(cfg.seed, index + 1)
+        trajectory.append(trainer.step([(images, mask, targets)])[0]["loss"])
     return {
+        "trajectory": trajectory,
         "seconds": seconds,
         "mlx_peak_mib": mx.get_peak_memory() / 2**20,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -65,11 +72,12 @@ def main(argv=None):
     parser.add_argument("--size", type=image_sizes, default="800x1066", help="HxW of the images")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "precision_cpu.txt")
+    parser.add_argument("--steps", type=int, default=0, help="then this many steps: the loss trajectories")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     size = args.size[0]
     if args.measure:
-        print(json.dumps(measure(args.measure, size, args.repeats)))
+        print(json.dumps(measure(args.measure, size, args.repeats, args.steps)))
         return
 
     import kernels
@@ -77,13 +85,15 @@ def main(argv=None):
     results = {}
     for precision in ("float32", "bfloat16"):
         command = [sys.executable, __file__, "--measure", precision, "--size", f"{size[0]}x{size[1]}"]
-        command += ["--repeats", str(args.repeats)]
+        command += ["--repeats", str(args.repeats), "--steps", str(args.steps)]
         results[precision] = measured(command, dict(os.environ), f"the {precision} step")
         print(precision, results[precision], flush=True)
     base = results["float32"]
     lines = [
-        f"R50 training step (configs/r50.yaml, activation checkpointing on), micro-batch 2 x {size[0]} x {size[1]}, "
-        f"median of {args.repeats} after a warm-up; mlx {base['mlx']}, CPU with {kernels.blas.choice()}",
+        f"R50 training step (configs/r50.yaml, activation checkpointing auto), micro-batch 2 x {size[0]} x {size[1]}, "
+        f"median of {args.repeats} after a warm-up; mlx {base['mlx']}, {cpu_model()} (bfloat16 instructions: "
+        f"{', '.join(kernels.onednn.bfloat16_instructions()) or 'none'}), BLAS {kernels.blas.choice()}, "
+        f"convolutions and linears on {kernels.onednn.describe()}",
         "",
         "| precision | step (s) | time vs float32 | MLX peak MiB | peak RSS MiB | first-step loss |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
@@ -93,6 +103,22 @@ def main(argv=None):
             f"| {precision} | {r['seconds']:.2f} | {r['seconds'] / base['seconds']:.2f} | {r['mlx_peak_mib']:.0f} "
             f"| {r['peak_rss_mib']:.0f} | {r['first_loss']:.4f} |"
         )
+    narrow, wide = results["bfloat16"], results["float32"]
+    lines += ["", f"first-step loss: bfloat16 {narrow['first_loss'] / base['first_loss'] - 1:+.3%} from float32"]
+    if args.steps:
+        differences = [n / w - 1 for n, w in zip(narrow["trajectory"], wide["trajectory"], strict=True)]
+        worst = max(range(len(differences)), key=lambda i: abs(differences[i]))
+        lines += [
+            f"the {args.steps} steps after on the same batch, bfloat16 from float32: largest relative difference "
+            f"{differences[worst]:+.3%} (step {worst + 1})",
+            "",
+            "| step | float32 loss | bfloat16 loss | difference |",
+            "| ---: | ---: | ---: | ---: |",
+            *(
+                f"| {i + 1} | {w:.4f} | {n:.4f} | {d:+.3%} |"
+                for i, (w, n, d) in enumerate(zip(wide["trajectory"], narrow["trajectory"], differences, strict=True))
+            ),
+        ]
     report(lines, args.output)
 
 
