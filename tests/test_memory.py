@@ -83,7 +83,8 @@ def test_a_large_step_is_estimated_from_probes_of_an_eighth_and_a_quarter_of_its
     measured = probe_peak(trainer.loss_and_grad, 2, 640, 832, cfg.model.num_classes)
     assert [size for size, _ in estimate.probes] == [(226, 294), (320, 416)]
     assert estimate.peak_bytes == pytest.approx(measured, rel=0.1)
-    assert estimate.probes[1][1] < 0.35 * measured  # what the check costs: about a quarter of the step
+    # what the check costs: under half the step (about a quarter before oneDNN; 0.41 measured with it in CI)
+    assert estimate.probes[1][1] < 0.5 * measured
 
 
 def test_the_peak_grows_by_the_same_amount_with_every_image():
