@@ -18,6 +18,7 @@ import sys
 import traceback
 
 from .errors import CommandError, UsageError
+from .models.precision import INFERENCE_PRECISIONS
 
 TRACEBACK_VARIABLE = "DEFORMABLE_DETR_TRACEBACK"
 
@@ -50,14 +51,11 @@ def entry_point(main):
     return command
 
 
-PRECISIONS = ("auto", "float32", "bfloat16")
-
-
 def add_precision(parser: argparse.ArgumentParser, default: str):
     """--precision, as predict, eval and serve take it (models/precision.py)."""
     parser.add_argument(
         "--precision",
-        choices=PRECISIONS,
+        choices=INFERENCE_PRECISIONS,
         default=default,
         help=f"the products' precision (default {default}): auto is bfloat16 on a CPU with bfloat16 instructions "
         "(AMX-BF16, AVX512-BF16) and oneDNN, float32 elsewhere",

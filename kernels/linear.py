@@ -5,7 +5,8 @@ On the CPU, for float32, the bias's rows that addmm starts from are `broadcast_r
 `kernels._native`, written on every core, where MLX copies the broadcast bias one element at a time on
 one thread (about a fifth of an R50 encoder projection's time: 7.6 of 25 ms for (17821, 256),
 bench/README.md); addmm then takes that buffer as its output. Elsewhere, for other dtypes and in
-`export_mode()`, it is `mx.addmm(bias, x, weight.T)`."""
+`export_mode()`, it is `mx.addmm(bias, x, weight.T)`. Where oneDNN is used (`onednn.linear`, x86-64
+Linux) it computes the whole product, bias included, before either of these."""
 
 import mlx.core as mx
 

@@ -6,7 +6,7 @@ Why: MLX's CPU back-end runs a convolution as im2col + one sgemm and has no fast
 bf16 2048^2 product takes 3.9 s, f32 0.19 s). oneDNN's JIT kernels use blocked layouts, AVX-512 and,
 for bfloat16, AVX512-BF16 and AMX: the R50 backbone's convolutions took 791 ms at float32 and 413 ms
 at bfloat16 here, against 1,031 ms for the patches path (AMD EPYC Zen 4, 2 threads); on an Intel Xeon
-with AMX 619 and 149 ms (bench/onednn.py).
+with AMX 619 and 149 ms (bench/README.md#onednn; bench/onednn_device/ measures them).
 
 Precision: products in bfloat16 (float32 accumulation) inside `products_in(mx.bfloat16)` or where
 either operand is bfloat16, float32 otherwise; the result in the first operand's dtype. So float32
