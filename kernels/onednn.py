@@ -4,9 +4,9 @@ OpenVINO and TensorFlow on x86 CPUs): `conv2d` and `linear`, as MLX operations w
 
 Why: MLX's CPU back-end runs a convolution as im2col + one sgemm and has no fast bfloat16 product (a
 bf16 2048^2 product takes 3.9 s, f32 0.19 s). oneDNN's JIT kernels use blocked layouts, AVX-512 and,
-for bfloat16, AVX512-BF16 and AMX: the R50 backbone's convolutions took 791 ms at float32 and 413 ms
-at bfloat16 here, against 1,031 ms for the patches path (AMD EPYC Zen 4, 2 threads); on an Intel Xeon
-with AMX 619 and 149 ms (bench/README.md#onednn; bench/onednn_device/ measures them).
+for bfloat16, AVX512-BF16 and AMX: the R50 backbone's convolutions at 800 x 1066 took 660 ms at float32
+and 374 ms with bfloat16 products on an AMD EPYC Zen 4, 2 threads (bench/onednn_device/, 2026-12-04);
+the whole R50 inference 2.05 / 1.39 s against 2.44 s before (bench/README.md#onednn).
 
 Precision: products in bfloat16 (float32 accumulation) inside `products_in(mx.bfloat16)` or where
 either operand is bfloat16, float32 otherwise; the result in the first operand's dtype. So float32
