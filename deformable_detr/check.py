@@ -27,7 +27,8 @@ from .data.ground_truth import box_counts
 from .data.images import ImageFile, UnreadableImageError
 from .errors import CommandError
 
-BUILT_IN = ("coco", "shapes", "yolo", "voc")  # their builders take strict=False: every problem kept
+# their builders take strict=False: every problem kept
+BUILT_IN = ("coco", "shapes", "small_shapes", "yolo", "voc", "createml")
 SPLITS = ("train", "val")
 THREADS = min(4, max(2, os.cpu_count() or 2))  # Pillow releases the GIL while decoding
 LISTED = 5  # a note about many images or annotations names the first few (a broken set has thousands)

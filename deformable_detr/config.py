@@ -85,9 +85,10 @@ class ScheduleConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "coco"  # coco | shapes | yolo | voc, or a registered name (deformable_detr/data/__init__.py)
+    # coco | shapes | yolo | voc | createml, or a registered name (deformable_detr/data/__init__.py)
+    dataset: str = "coco"
     # Where the dataset is: COCO's root folder, YOLO's data.yaml (or its folder), VOC's folder holding
-    # Annotations/ ("": coco_path, which is read as before)
+    # Annotations/, Create ML's folder holding train/ and valid/ ("": coco_path, which is read as before)
     path: str = ""
     coco_path: str = "data/coco"
     num_workers: int = 2  # mlx-data threads decoding and augmenting
@@ -124,6 +125,11 @@ class TrainConfig:
     # TensorBoard event files under <run>/tensorboard/: the step records' scalars, each evaluation's
     # AP and pictures (needs the tensorboard package: the tensorboard extra)
     tensorboard: bool = False
+    # MLflow (the mlflow extra): false | true (a store in <run>/mlflow, or $MLFLOW_TRACKING_URI) | a
+    # tracking URI: the config, the step scalars, each evaluation's AP, the checkpoint and pictures
+    mlflow: bool | str = field(default=False, metadata={"text": True})
+    # Weights & Biases (the wandb extra): false | offline (<run>/wandb; `wandb sync` uploads it), as mlflow
+    wandb: bool | str = field(default=False, metadata={"text": True, "choices": (False, "offline")})
 
 
 @dataclass
@@ -177,7 +183,7 @@ RESUME_EFFECTS = {
     "data.skip_bad_images": RUNS,  # what an unreadable image's stop says to resume with
     **{f"train.{key}": RUNS for key in ("max_steps", "check_sampling_offsets", "checkpoint_every", "log_every")},
     **{f"train.{key}": RUNS for key in ("eval_every", "activation_checkpointing", "memory_limit_gb")},
-    **{f"train.{key}": RUNS for key in ("early_stop_patience", "tensorboard")},
+    **{f"train.{key}": RUNS for key in ("early_stop_patience", "tensorboard", "mlflow", "wandb")},
     **{f"train.{key}": TRAINS for key in ("precision", "ema_decay", "ema_warmup")},
     "evaluation.backend": RUNS,  # the same numbers
     "seed": TRAINS,
@@ -278,7 +284,8 @@ def _merge(target, data: dict, source: str, prefix: str):
             if expected == "auto":  # `auto` is no type: the annotated one's
                 expected = names[key].type()
             where, allowed = f"{source}: {prefix}{key}", names[key].metadata
-            setattr(target, key, _allowed(_coerce(value, expected, where, allowed.get("auto")), allowed, where))
+            coerced = _coerce(value, expected, where, allowed.get("auto"), allowed.get("text"))
+            setattr(target, key, _allowed(coerced, allowed, where))
 
 
 def unknown_key(key: str, names, prefix: str) -> str:
@@ -289,12 +296,14 @@ def unknown_key(key: str, names, prefix: str) -> str:
     return f"{prefix}{key}: unknown key; expected one of {', '.join(prefix + k for k in names)}"
 
 
-def _coerce(value, current, where, auto=False):
+def _coerce(value, current, where, auto=False, text=False):
     """Keep each key's type: an int where a float is expected is fine, `auto` where the field allows
-    it, anything else is an error."""
+    it, text where it does (`text`: a bool or text, as train.mlflow's URI), anything else is an error."""
     if auto and value == "auto":
         return value
-    kind = type(current).__name__ + (" or auto" if auto else "")
+    if text and isinstance(value, str):
+        return value
+    kind = type(current).__name__ + (" or auto" if auto else "") + (" or text" if text else "")
     if isinstance(current, bool) or isinstance(value, bool):
         if not (isinstance(current, bool) and isinstance(value, bool)):
             raise UsageError(f"{where} must be {kind}, got {value!r}")
@@ -314,7 +323,8 @@ def _coerce(value, current, where, auto=False):
 def _allowed(value, allowed: dict, where: str):
     """A field's `choices` or half-open `range` [low, high), from its metadata."""
     if "choices" in allowed and value not in allowed["choices"]:
-        raise UsageError(f"{where} must be one of {', '.join(allowed['choices'])}, got {value!r}")
+        listed = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in allowed["choices"])  # YAML's false
+        raise UsageError(f"{where} must be one of {listed}, got {value!r}")
     if "range" in allowed and not allowed["range"][0] <= value < allowed["range"][1]:
         low, high = allowed["range"]
         raise UsageError(f"{where} must be at least {low} and below {high}, got {value!r}")

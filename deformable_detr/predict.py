@@ -2,7 +2,7 @@
 
     python -m deformable_detr.predict --checkpoint W [--config C] [--threshold 0.5] [--output-dir D]
         [--batch-size N] [--attention [--attention-layer N]] [--encoder-pixel X,Y] [--skip-unreadable]
-        [--set section.key=value ...] INPUT...
+        [--slice W,H [--overlap 0.2]] [--track [TRACKER]] [--set section.key=value ...] INPUT...
 
 An INPUT is an image, a folder (its images), a glob ('photos/*.jpg') or a video (the `video` extra).
 For each image writes D/<stem>.png (boxes, class names, scores) and D/<stem>.json (each detection at or
@@ -11,8 +11,16 @@ above the threshold: label, name, score, box x0, y0, x1, y1 in pixels, the decod
 and weights in the JSON; with --encoder-pixel, D/<stem>.encoder.png and .encoder.json. For a video,
 D/<stem>.mp4 (annotated) and D/<stem>.json (detections per frame). Built on `Detector`.
 
+--track [bytetrack|sort|ocsort] (videos; alone: bytetrack): an id per object through the frames
+(`Detector.track`, Roboflow's trackers: the `track` extra), drawn with a trail and in each detection's
+JSON as track_id (-1: none yet; docs/tracking.md).
+
 --batch-size N: a forward takes at most N images of one resized size, none padded, so every result is
-that of the image alone (`Detector`'s batching rule); images are written as their batches complete."""
+that of the image alone (`Detector`'s batching rule); images are written as their batches complete.
+
+--slice W,H: each image's detections from W x H slices overlapping by --overlap (a fraction of a slice),
+N slices a forward, merged in the image's pixels, for objects too small at the model's input size
+(inference/slicing.py, docs/slicing.md; the `slice` extra)."""
 
 import argparse
 import json
@@ -27,8 +35,10 @@ from .cli import ArgumentParser, add_precision, entry_point, say_precision
 from .errors import UsageError
 from .inference.detector import Detections, Detector
 from .inference.inputs import VIDEO_SUFFIXES, displayed_size, find_inputs, opened_batches
+from .inference.slicing import OVERLAP, check_slice, parse_slice, supervision
+from .inference.tracking import TRACKERS
 from .inference.visualize import draw_sampling_points, grid
-from .video import check_video_arguments, predict_video
+from .video import bare_track, check_video_arguments, predict_video
 
 ATTENTION_PANELS = 6  # the top detections drawn in <stem>.attention.png
 
@@ -130,10 +140,11 @@ def loaded_batches(paths: list[Path], batch_size: int, skip: bool, bar, key=None
 def predict_images(detector: Detector, paths: list[Path], args, layers: tuple):
     done, start = 0, time.perf_counter()
     options = dict(threshold=args.threshold, batch_size=args.batch_size, encoder_pixel=args.encoder_pixel)
-    options |= dict(attention=args.attention, attention_layer=layers[0])
+    options |= dict(attention=args.attention, attention_layer=layers[0], slice=args.slice, overlap=args.overlap)
+    images_a_batch = 1 if args.slice else args.batch_size  # sliced: the batches are of one image's slices
     with tqdm(total=len(paths), unit="image", desc="predict") as bar:
         # batches of one resized size, as Detector.predict's: the results of --batch-size 1
-        for batch in loaded_batches(paths, args.batch_size, args.skip_unreadable, bar, detector.batch_key):
+        for batch in loaded_batches(paths, images_a_batch, args.skip_unreadable, bar, detector.batch_key):
             results = detector.predict([image for _, _, image in batch], **options)
             for (_, path, image), result in zip(batch, results, strict=True):
                 bar.write(write_outputs(path, image, result, args, layers))
@@ -160,19 +171,40 @@ def parse_args(argv=None):
     parser.add_argument("--threshold", type=float, default=0.5, help="keep detections scoring at least this")
     parser.add_argument("--output-dir", type=Path, default=Path("predictions"))
     parser.add_argument(
-        "--batch-size", type=int, default=1, help="images (or frames) a forward, of one resized size: the same results"
+        "--batch-size",
+        type=int,
+        default=1,
+        help="images (or frames; slices with --slice) a forward, of one resized size: the same results",
     )
     parser.add_argument("--attention", action="store_true", help="the detections' sampling points and weights")
     parser.add_argument("--attention-layer", type=int, default=-1, help="the decoder layer shown (default the last)")
     parser.add_argument("--encoder-pixel", type=pixel, help="X,Y: where the last encoder layer's queries there look")
     parser.add_argument("--skip-unreadable", action="store_true", help="name unreadable images and go on")
+    parser.add_argument("--slice", metavar="W,H", help="detect on W x H slices of each image (pixels)")
+    parser.add_argument("--overlap", type=float, help=f"of a slice, with --slice (default {OVERLAP})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--raw-weights", action="store_true", help="the trained weights, not their EMA (where any)")
+    parser.add_argument(
+        "--track",
+        nargs="?",
+        const="bytetrack",
+        choices=TRACKERS,
+        help="videos: an id per object through the frames (default bytetrack; the track extra)",
+    )
     add_precision(parser, "auto")
     parser.add_argument("inputs", nargs="+", metavar="INPUT")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(bare_track(argv))
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.overlap is not None and args.slice is None:
+        raise UsageError(f"--overlap {args.overlap:g}: the overlap of slices, with --slice W,H")
+    if args.slice is not None:
+        args.slice = parse_slice(args.slice, "--slice")
+        overlap = OVERLAP if args.overlap is None else args.overlap
+        args.overlap = check_slice(args.slice, overlap, "--slice", "--overlap")[1]
+        if args.attention or args.encoder_pixel is not None:
+            raise UsageError("--attention and --encoder-pixel show one forward of a whole image; not with --slice")
+        supervision()  # the extra is there, before any work
     return args
 
 
@@ -189,7 +221,11 @@ def main(argv=None):
     paths = unique_stems(find_inputs(args.inputs))
     videos = [path for path in paths if path.suffix.lower() in VIDEO_SUFFIXES]
     images = [path for path in paths if path.suffix.lower() not in VIDEO_SUFFIXES]
+    if args.track and images:
+        raise UsageError(f"--track follows objects from frame to frame of a video; {images[0]} is an image")
     if videos:
+        if args.slice:
+            raise UsageError(f"--slice is for images, not videos ({videos[0]})")
         check_video_arguments(videos, args)
     images = readable_images(images, args.skip_unreadable, args.encoder_pixel)
     detector = Detector.load(args.checkpoint, cfg, raw_weights=args.raw_weights, precision=args.precision)

@@ -2,7 +2,7 @@
 
     python -m deformable_detr.serve --checkpoint W [--config C] [--host 127.0.0.1] [--port 8000]
         [--max-batch 8] [--max-wait-ms 10] [--max-queue 64] [--max-body-mb 20] [--max-megapixels 128]
-        [--read-timeout-s 10] [--shutdown-timeout-s 20]
+        [--max-slices 1024] [--read-timeout-s 10] [--shutdown-timeout-s 20]
 
 W: any weights `Detector.load` takes (a checkpoint, converted weights, hf://ORG/NAME). The routes
 (POST /v1/detect, GET /v1/model, /v1/stats, /healthz, the page at /) are deformable_detr/serving/app.py's.
@@ -10,7 +10,8 @@ It listens on this machine alone unless --host says otherwise; there is no authe
 can hold is bounded: a connection whose headers are not all in within --read-timeout-s, or whose body
 stalls that long between two chunks, is closed (counted in /v1/stats' timeouts); the images held decoded at
 once (decoding, queued, in a forward) count at most --max-megapixels, reserved from their headers before
-decoding (503 with Retry-After while others hold the budget, 413 for a request over all of it). SIGTERM or
+decoding (503 with Retry-After while others hold the budget, 413 for a request over all of it); a sliced
+request's images (?slice=W,H) count at most --max-slices slices, from their headers (400 beyond). SIGTERM or
 Ctrl-C: new requests are refused, those under way complete within --shutdown-timeout-s (then they are
 cancelled and the process ends after the forward under way), exit status 0. Needs the `serve` extra."""
 
@@ -41,6 +42,9 @@ def parse_args(argv=None):
         "times, 32 bits 5); 503 while other requests hold them, 413 for a request over all of them",
     )
     parser.add_argument(
+        "--max-slices", type=int, default=1024, help="slices a request's images may ask for (?slice=W,H); 400 beyond"
+    )
+    parser.add_argument(
         "--read-timeout-s", type=float, default=10, help="a request's headers, and each gap in its body, at most"
     )
     parser.add_argument(
@@ -48,7 +52,12 @@ def parse_args(argv=None):
     )
     add_precision(parser, "auto")
     args = parser.parse_args(argv)
-    for option, value, least in [("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1)]:
+    least_ones = [
+        ("--max-batch", args.max_batch, 1),
+        ("--max-queue", args.max_queue, 1),
+        ("--max-slices", args.max_slices, 1),
+    ]
+    for option, value, least in least_ones:
         if value < least:
             raise UsageError(f"{option} {value}: must be at least {least}")
     if args.max_wait_ms < 0 or args.max_body_mb <= 0 or not 0 <= args.port <= 65535:
@@ -98,6 +107,7 @@ def main(argv=None):
         args.max_body_mb,
         max_megapixels=args.max_megapixels,
         read_timeout=args.read_timeout_s,
+        max_slices=args.max_slices,
     )
     if not is_loopback(args.host):
         print(

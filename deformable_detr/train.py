@@ -40,10 +40,12 @@ from .errors import UsageError
 from .inference.evaluation import evaluate, evaluation_batch_size, per_class_table
 from .models import build_model
 from .training.engine import Progress, fit
+from .training.mlflow_run import require_mlflow
 from .training.resume_check import allowed_changes
 from .training.run_directory import RESUME_HERE, RunDirectory
 from .training.tensorboard import require_tensorboard
 from .training.trainer import Trainer, process_share
+from .training.wandb_run import require_wandb
 from .weights.checkpoint import load_checkpoint
 from .weights.loading import load_for_finetuning, load_model_weights
 
@@ -119,6 +121,10 @@ def check_settings(cfg, processes: int):
         raise UsageError("train.early_stop_patience counts evaluations: it needs train.eval_every above 0")
     if cfg.train.tensorboard:
         require_tensorboard()
+    if cfg.train.mlflow:
+        require_mlflow(cfg.train.mlflow)
+    if cfg.train.wandb:
+        require_wandb()
 
 
 @entry_point
@@ -167,6 +173,7 @@ def train(args, cfg, group, train_set, run: RunDirectory, resume):
         run.print(
             f"AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}: {run.path / 'eval_results.json'}; "
             f"pictures: {run.path / 'predictions.png'}, {run.path / 'curves.png'}"
+            + (f", {run.path / 'confusion_matrix.png'}" if "confusion_matrix" in stats else "")
         )
         if line := dropped_line(stats["ground_truth"]):
             run.print(line)

@@ -1,13 +1,17 @@
-"""Videos through `predict`, frame by frame (`Detector.predict`): an annotated video and the detections
-of every frame. Needs PyAV (the `video` extra)."""
+"""Videos through `predict`, frame by frame (`Detector.predict`, or `Detector.track` with --track): an
+annotated video and the detections of every frame. Needs PyAV (the `video` extra); --track, Roboflow's
+`trackers` (the `track` extra)."""
 
 import json
+import sys
 import time
+from collections import deque
 from pathlib import Path
 
 from tqdm import tqdm
 
 from .errors import CommandError, UsageError, install_hint
+from .inference.tracking import TRACKERS, TrackDrawing, check_tracker
 
 
 def _av():
@@ -20,11 +24,22 @@ def _av():
     return av
 
 
+def bare_track(argv: list[str] | None) -> list[str]:
+    """`argv` (None: the command line's) with a bare `--track` (no tracker's name after it) written
+    `--track=bytetrack`: argparse would take the input after it (`--track clip.mp4`) for the name."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    named = [i + 1 < len(argv) and argv[i + 1] in TRACKERS for i in range(len(argv))]
+    return [f"--track={TRACKERS[0]}" if arg == "--track" and not named[i] else arg for i, arg in enumerate(argv)]
+
+
 def check_video_arguments(videos: list[Path], args):
-    """Before any work: PyAV is there, every video opens, and nothing asked is for images only."""
+    """Before any work: PyAV is there (and trackers, to --track), every video opens, and nothing asked
+    is for images only."""
     av = _av()
     if args.attention or args.encoder_pixel is not None:
         raise UsageError(f"--attention and --encoder-pixel are for images, not videos ({videos[0]})")
+    if getattr(args, "track", None):
+        check_tracker(args.track)
     for path in videos:
         with _opened(av, path):
             pass
@@ -43,30 +58,45 @@ def _opened(av, path: Path):
 
 def predict_video(path: Path, detector, args):
     """Writes args.output_dir/<stem>.mp4 (H.264, the input's frame rate; even width and height) and
-    <stem>.json: {"video", "fps", "frames": [{"frame", "time", "detections": [Detections.to_json()]}]}."""
+    <stem>.json: {"video", "fps", "frames": [{"frame", "time", "detections": [Detections.to_json()]}]};
+    with args.track (a tracker's name), "tracker" too, each detection's "track_id" (-1: none yet), and
+    the ids and their trails drawn."""
     av = _av()
     out_path, frames, start = args.output_dir / f"{path.stem}.mp4", [], time.perf_counter()
+    tracker = getattr(args, "track", None)
     with _opened(av, path) as source, av.open(str(out_path), "w") as sink:
         stream = source.streams.video[0]
         fps = stream.average_rate or 25
         encoder = sink.add_stream("libx264", rate=fps)
         size = encoder.width, encoder.height = stream.width // 2 * 2, stream.height // 2 * 2
         encoder.pix_fmt = "yuv420p"
+        decoded = deque()  # (time, image) of the frames decoded and not yet written
+
+        def images():
+            for frame in source.decode(stream):
+                decoded.append((float(frame.time or 0.0), frame.to_image()))
+                yield decoded[-1][1]
+
+        if tracker:
+            results = detector.track(images(), tracker, args.threshold, args.batch_size, frame_rate=float(fps))
+            drawing = TrackDrawing(trail=max(round(float(fps)), 2))  # a second's trail
+        else:
+            batches = _batches(images(), args.batch_size)
+            results = (r for batch in batches for r in detector.predict(batch, args.threshold, batch_size=len(batch)))
         with tqdm(total=stream.frames or None, unit="frame", desc=path.name) as bar:
             try:
-                for batch in _batches(source.decode(stream), args.batch_size):
-                    images = [frame.to_image() for frame in batch]
-                    results = detector.predict(images, args.threshold, batch_size=len(images))
-                    for frame, image, result in zip(batch, images, results, strict=True):
-                        drawn = result.draw(image)
-                        sink.mux(encoder.encode(av.VideoFrame.from_image(drawn.crop((0, 0, *size)))))
-                        time_s = float(frame.time or 0.0)
-                        frames.append({"frame": len(frames), "time": time_s, "detections": result.to_json()})
-                    bar.update(len(batch))
+                for result in results:
+                    time_s, image = decoded.popleft()
+                    drawn = result.draw(image)
+                    if tracker:
+                        drawn = drawing.draw(drawn, result)
+                    sink.mux(encoder.encode(av.VideoFrame.from_image(drawn.crop((0, 0, *size)))))
+                    frames.append({"frame": len(frames), "time": time_s, "detections": result.to_json()})
+                    bar.update()
             except av.error.FFmpegError as error:
-                raise ValueError(f"{path}: cannot decode frame {len(frames)} ({error})") from None
+                raise ValueError(f"{path}: cannot decode frame {len(frames) + len(decoded)} ({error})") from None
         sink.mux(encoder.encode())
-    record = {"video": str(path), "fps": float(fps), "frames": frames}
+    record = {"video": str(path), "fps": float(fps)} | ({"tracker": tracker} if tracker else {}) | {"frames": frames}
     (args.output_dir / f"{path.stem}.json").write_text(json.dumps(record, indent=1))
     seconds = time.perf_counter() - start
     print(f"{path}: {len(frames)} frames in {seconds:.1f} s ({len(frames) / seconds:.2f} frames/s) -> {out_path}")

@@ -1,6 +1,6 @@
-"""A COCO-format set (data/shapes.py's) written again as YOLO labels and as Pascal VOC XML, the way
-Ultralytics and the VOC devkit lay them out, for the readers' tests: the same images and boxes, so
-every loader's targets can be compared with the COCO JSON loader's."""
+"""A COCO-format set (data/shapes.py's) written again as YOLO labels, as Pascal VOC XML and as Create ML
+JSON, the way Ultralytics, the VOC devkit and Roboflow lay them out, for the readers' tests: the same
+images and boxes, so every loader's targets can be compared with the COCO JSON loader's."""
 
 import json
 import shutil
@@ -69,4 +69,26 @@ def write_voc(coco_root: Path, out: Path, difficult=()) -> Path:
                 + "</annotation>\n"
             )
         (out / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    return out
+
+
+def write_createml(coco_root: Path, out: Path, val_folder: str = "valid") -> Path:
+    """Roboflow's Create ML export: out/train/, out/<val_folder>/, each the split's images and
+    `_annotations.createml.json`, an entry per image in the COCO file's order, each box's centre and
+    size in pixels."""
+    out = Path(out)
+    for split, folder in (("train", "train"), ("val", val_folder)):
+        data, by_image = coco_split(coco_root, split)
+        names = {c["id"]: c["name"] for c in data["categories"]}
+        (out / folder).mkdir(parents=True, exist_ok=True)
+        entries = []
+        for image in data["images"]:
+            shutil.copy(Path(coco_root) / f"{split}2017" / image["file_name"], out / folder)
+            boxes = []
+            for a in by_image[image["id"]]:
+                x, y, w, h = a["bbox"]
+                centre = {"x": x + w / 2, "y": y + h / 2, "width": w, "height": h}
+                boxes.append({"label": names[a["category_id"]], "coordinates": centre})
+            entries.append({"image": image["file_name"], "annotations": boxes})
+        (out / folder / "_annotations.createml.json").write_text(json.dumps(entries))
     return out

@@ -54,7 +54,7 @@ def test_eval_equals_pycocotools_on_the_detections_it_wrote(trained, tmp_path):
         ]
     )
     written = json.loads((tmp_path / "eval_results.json").read_text())
-    assert written == stats and list(written) == [*STAT_NAMES, "per_class", "ground_truth"]
+    assert written == stats and list(written) == [*STAT_NAMES, "per_class", "ground_truth", "confusion_matrix"]
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO(str(root / "annotations" / "instances_val2017.json"))
         evaluator = COCOeval(gt, gt.loadRes(str(tmp_path / "detections_val.json")), "bbox")
@@ -112,8 +112,8 @@ def test_predict_draws_and_names_bad_images(trained, tmp_path, capsys):
 def test_training_writes_eval_results_and_pictures(trained):
     _, output = trained
     stats = json.loads((output / "eval_results.json").read_text())
-    assert list(stats) == [*STAT_NAMES, "per_class", "ground_truth"]
-    for picture in ("predictions.png", "curves.png", "pr_curves.png"):
+    assert list(stats) == [*STAT_NAMES, "per_class", "ground_truth", "confusion_matrix"]
+    for picture in ("predictions.png", "curves.png", "pr_curves.png", "confusion_matrix.png"):
         assert (output / picture).stat().st_size > 1000
 
 
@@ -197,3 +197,55 @@ def test_eval_and_predict_take_the_config_the_checkpoint_records(trained, tmp_pa
     image = str(root / "val2017" / "000000000001.png")
     predict_main(["--checkpoint", checkpoint, "--output-dir", str(tmp_path / "p"), "--threshold", "0", image])
     assert len(json.loads((tmp_path / "p" / "000000000001.json").read_text())) == 100  # top 100 of 20 x 6
+
+
+def test_eval_writes_the_confusion_matrix_of_its_detections(trained, tmp_path, capsys):
+    """Its counts against the files: each box of the annotations counted once (found or missed: the
+    rows), each detection of detections_val.json at --threshold once (matched or not: the columns);
+    the picture drawn from the JSON's counts."""
+    from deformable_detr.inference.confusion import draw_confusion_matrix
+
+    from PIL import Image
+
+    root, output = trained
+    argv = ["--config", str(TINY), "--checkpoint", str(output / "checkpoint.safetensors"), "--coco-path", str(root)]
+    annotations = json.loads((root / "annotations" / "instances_val2017.json").read_text())
+    names = {c["id"]: c["name"] for c in annotations["categories"]}
+    ids = sorted(names)
+    for threshold in ("0.3", "0.05"):
+        folder = tmp_path / threshold
+        stats = eval_script.main([*argv, "--output-dir", str(folder), "--threshold", threshold, "model.num_queries=20"])
+        record = json.loads((folder / "eval_results.json").read_text())["confusion_matrix"]
+        assert record == stats["confusion_matrix"]
+        assert record["classes"] == [names[i] for i in ids] + ["background"]
+        assert (record["rows"], record["iou"], record["threshold"]) == ("ground truth", 0.5, float(threshold))
+        counts = np.array(record["counts"])
+        boxes = [sum(a["category_id"] == i and not a.get("iscrowd") for a in annotations["annotations"]) for i in ids]
+        assert counts[:-1].sum(axis=1).tolist() == boxes
+        found = json.loads((folder / "detections_val.json").read_text())
+        kept = [sum(d["category_id"] == i and d["score"] >= float(threshold) for d in found) for i in ids]
+        assert counts[:, :-1].sum(axis=0).tolist() == kept
+        drawn = np.array(Image.open(folder / "confusion_matrix.png").convert("RGB"))
+        np.testing.assert_array_equal(drawn, np.array(draw_confusion_matrix(record)))
+        assert f"{folder / 'confusion_matrix.png'}" in capsys.readouterr().out
+    assert sum(kept) > 0 and np.trace(counts[:-1, :-1]) > 0  # at 0.05 it finds some: not a matrix of misses alone
+
+
+def test_eval_without_supervision_is_the_rest_of_the_evaluation(trained, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from deformable_detr.inference import confusion
+
+    root, output = trained
+    argv = ["--config", str(TINY), "--checkpoint", str(output / "checkpoint.safetensors"), "--coco-path", str(root)]
+    monkeypatch.setitem(sys.modules, "supervision", None)  # as if not installed
+    confusion.supervision.cache_clear()
+    try:
+        stats = eval_script.main([*argv, "--output-dir", str(tmp_path), "model.num_queries=20"])
+    finally:
+        confusion.supervision.cache_clear()
+    assert list(stats) == [*STAT_NAMES, "per_class", "ground_truth"] and stats["AR100"] > 0
+    assert not (tmp_path / "confusion_matrix.png").exists() and (tmp_path / "pr_curves.png").is_file()
+    err = capsys.readouterr().err
+    assert err.count("confusion matrix left out") == 1
+    assert 'confusion matrix left out: it needs supervision: pip install -e ".[confusion-matrix]"\n' in err

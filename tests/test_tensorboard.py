@@ -1,8 +1,10 @@
 """`train.tensorboard: true`: the event files, read back with TensorBoard's own reader, hold the step
 records' scalars at the logged steps (the values of log.jsonl), each evaluation's AP and per-class AP
 and its pictures (at the end, the same pixels as predictions.png and pr_curves.png); after kill -9
-and a resume, each step once; no PyTorch imported; without the package, one line before any step."""
+and a resume, each step once; no PyTorch imported; without the package, one line before any step.
+With supervision, each evaluation's confusion matrix too (at the end, confusion_matrix.png's pixels)."""
 
+import importlib.util
 import io
 import json
 import os
@@ -78,7 +80,10 @@ def test_scalars_at_the_logged_steps_evaluations_and_pictures(shapes, tmp_path):
     }
     last = evaluations[-1]["eval"]["per_class"]
     assert [s.value for s in events.Scalars("val_AP_per_class/square")][-1] == pytest.approx(last["square"]["AP"])
-    for tag, end_file in (("val/predictions", "predictions.png"), ("val/pr_curves", "pr_curves.png")):
+    pictures = [("val/predictions", "predictions.png"), ("val/pr_curves", "pr_curves.png")]
+    if importlib.util.find_spec("supervision"):  # the confusion matrix's (the confusion-matrix extra)
+        pictures.append(("val/confusion_matrix", "confusion_matrix.png"))
+    for tag, end_file in pictures:
         images = events.Images(tag)
         assert [image.step for image in images] == [4, 8]
         drawn = np.array(Image.open(io.BytesIO(images[-1].encoded_image_string)))

@@ -14,16 +14,17 @@ only for this:
   the labels and the names; `dataset.annotation_file`, where the labels come from (for messages);
 - `dataset.coco`: a pycocotools `COCO` of the split's ground truth, for COCO AP.
 
-`CocoDetection` (`coco.py`) reads any set in COCO's layout, `yolo.py` and `voc.py` read YOLO's and
-Pascal VOC's into COCO's format in memory (`in_memory.py`); `register_dataset` adds another kind.
-Where a set is: `data.path` ('' : `data.coco_path`). The built-in readers check every annotation
-before anything trains (`strict`; `python -m deformable_detr.check` lists every problem).
+`CocoDetection` (`coco.py`) reads any set in COCO's layout; `yolo.py`, `voc.py` and `createml.py` read
+YOLO's, Pascal VOC's and Create ML's into COCO's format in memory (`in_memory.py`); `register_dataset`
+adds another kind. Where a set is: `data.path` ('' : `data.coco_path`). The built-in readers check every
+annotation before anything trains (`strict`; `python -m deformable_detr.check` lists every problem).
 """
 
 from pathlib import Path
 
 from ..errors import UsageError
 from .coco import COCO_CATEGORY_NAMES, CocoDetection
+from .createml import read_createml
 from .in_memory import InMemoryDetection
 from .loader import BadImageError, DataLoader, collate
 from .transforms import make_transforms
@@ -66,6 +67,16 @@ def shapes(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     return coco(split, data_cfg, strict=strict)
 
 
+@register_dataset("small_shapes")
+def small_shapes(split: str, data_cfg, prepare: bool = True, strict: bool = True):
+    """Small shapes on large canvases (train: tiles; val: whole canvases), generated when absent."""
+    if prepare and not (Path(data_path(data_cfg)) / "annotations").exists():
+        from .small_shapes import generate
+
+        generate(data_path(data_cfg))
+    return coco(split, data_cfg, strict=strict)
+
+
 @register_dataset("yolo")
 def yolo(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     """Ultralytics' layout: `data.path` is the data.yaml or its folder (`yolo.py`)."""
@@ -77,6 +88,13 @@ def yolo(split: str, data_cfg, prepare: bool = True, strict: bool = True):
 def voc(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     """Pascal VOC's layout: `data.path` holds Annotations/, ImageSets/Main/, JPEGImages/ (`voc.py`)."""
     parsed = read_voc(data_path(data_cfg), split, data_cfg.exif_orientation)
+    return InMemoryDetection(parsed, make_transforms(split, data_cfg), data_cfg.skip_bad_images, strict)
+
+
+@register_dataset("createml")
+def createml(split: str, data_cfg, prepare: bool = True, strict: bool = True):
+    """Apple's Create ML JSON as Roboflow exports it: `data.path` holds train/ and valid/ (`createml.py`)."""
+    parsed = read_createml(data_path(data_cfg), split, data_cfg.skip_bad_images, data_cfg.exif_orientation)
     return InMemoryDetection(parsed, make_transforms(split, data_cfg), data_cfg.skip_bad_images, strict)
 
 

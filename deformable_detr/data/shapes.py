@@ -58,11 +58,12 @@ def _fit(angles, radii, x0, y0, size):
     return [(float(x), float(y)) for x, y in points]
 
 
-def _background(rng, height, width):
-    """Smooth colour gradient plus noise and stripes: texture that is not any class."""
+def _background(rng, height, width, gradient=1.0):
+    """Smooth colour gradient plus noise and stripes: texture that is not any class. `gradient` scales
+    the gradient's slope: a 3000-pixel canvas at 1 would run into black or white (data/small_shapes.py)."""
     ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
     base = rng.uniform(60, 180) + rng.uniform(-15, 15, 3)  # a grey with a slight tint
-    slope = rng.uniform(-0.4, 0.4, (2, 3))
+    slope = rng.uniform(-0.4, 0.4, (2, 3)) * gradient
     image = base + ys[..., None] * slope[0] / 4 + xs[..., None] * slope[1] / 4
     period = rng.uniform(6, 20)
     image += 12 * np.sin(2 * np.pi * (xs + ys * rng.uniform(-1, 1)) / period)[..., None]
@@ -70,11 +71,11 @@ def _background(rng, height, width):
     return Image.fromarray(image.clip(0, 255).astype(np.uint8))
 
 
-def make_image(rng, height, width, max_objects, min_size, max_size, categories=CATEGORIES):
-    image = _background(rng, height, width)
+def make_image(rng, height, width, max_objects, min_size, max_size, categories=CATEGORIES, min_objects=1, gradient=1.0):
+    image = _background(rng, height, width, gradient)
     draw = ImageDraw.Draw(image)
     annotations = []
-    for _ in range(int(rng.integers(1, max_objects + 1))):
+    for _ in range(int(rng.integers(min_objects, max_objects + 1))):
         category = int(rng.integers(len(categories)))
         size = int(rng.integers(min_size, min(max_size, height, width) + 1))
         x0, y0 = int(rng.integers(0, width - size + 1)), int(rng.integers(0, height - size + 1))

@@ -5,6 +5,8 @@
     results[0].boxes, results[0].scores, results[0].names, results[0].to_json()
     results = detector.predict("photos/", skip_unreadable=True)  # unreadable files: warned of, left out
     results.skipped  # [(path, reason)] of those
+    detector.predict("aerial.jpg", slice=(256, 256), overlap=0.2)  # small objects: on slices (inference/slicing.py)
+    for frame in detector.track(frames, "bytetrack"): frame.track_ids  # identities through a video
     detector.batch_key(image)  # (height, width) the model sees: only images of one key share a forward
     detector.evaluate("data/coco")  # COCO AP, as eval.py
     detector.export("huggingface", "my-model")  # or "torch"
@@ -47,12 +49,15 @@ from ..models.precision import DTYPES, inference_precision
 from ..weights import conversion
 from ..weights.loading import config_from_weights, load_trained_model
 from .attention_points import encoder_queries, in_pixels, recording
+from .confusion import THRESHOLD, draw_confusion_matrix
 from .evaluation import evaluate, evaluation_batch_size
 from .inputs import as_image, find_inputs, open_image, opened_batches
+from .slicing import OVERLAP, check_slice, sliced_detect
+from .tracking import Tracking, tracked
 from .visualize import draw_detections, pr_curves
 
 CONFIG_SECTIONS = [section.name for section in dataclasses.fields(Config) if section.name != "seed"]
-FOLDER_DATASETS = {"coco", "shapes", "voc"}  # the built-in readers whose data.path is a folder
+FOLDER_DATASETS = {"coco", "shapes", "small_shapes", "voc", "createml"}  # built-in readers of a folder
 
 
 @dataclass
@@ -72,6 +77,7 @@ class Detections:
     path: Path | None = None
     attention: dict | None = None
     encoder: dict | None = field(default=None, repr=False)
+    track_ids: np.ndarray | None = None  # (n,) from `Detector.track`; -1: no identity (yet)
 
     def __len__(self) -> int:
         return len(self.scores)
@@ -80,19 +86,23 @@ class Detections:
         """Those scoring at least `threshold` (best first still), with their names and sampling points."""
         kept = self.scores >= threshold
         arrays = {k: getattr(self, k)[kept] for k in ("boxes", "scores", "labels", "queries")}
+        if self.track_ids is not None:
+            arrays["track_ids"] = self.track_ids[kept]
         names = [name for name, keep in zip(self.names, kept, strict=True) if keep]
         attention = None if self.attention is None else {k: v[kept] for k, v in self.attention.items()}
         return dataclasses.replace(self, **arrays, names=names, attention=attention)
 
     def to_json(self) -> list[dict]:
-        """A record per detection: label, name, score, box, query; with `attention`, its reference point
-        (and box), sampling points and weights, rounded."""
+        """A record per detection: label, name, score, box, query (and track_id, tracked); with
+        `attention`, its reference point (and box), sampling points and weights, rounded."""
         records = []
         for j, (score, label, name, box, query) in enumerate(
             zip(self.scores, self.labels, self.names, self.boxes, self.queries, strict=True)
         ):
             record = {"label": int(label), "name": name, "score": float(score)}
             record |= {"box": [float(v) for v in box], "query": int(query)}
+            if self.track_ids is not None:
+                record["track_id"] = int(self.track_ids[j])
             if self.attention is not None:
                 record["reference_point"] = np.round(self.attention["reference"][j], 3).tolist()
                 if "box" in self.attention:
@@ -160,6 +170,8 @@ class Detector:
         attention_layer: int = -1,
         encoder_pixel: tuple | None = None,
         skip_unreadable: bool = False,
+        slice: tuple | None = None,
+        overlap: float = OVERLAP,
     ) -> "Predictions":
         """A result per image of `images`: a PIL image, an (H, W, 3) uint8 array, a path, a folder (its
         images), a glob, or a list of these, in input order. A forward takes at most `batch_size` images
@@ -169,7 +181,11 @@ class Detector:
         `attention_layer` for each detection; `encoder_pixel` (x, y): where the last encoder layer's
         queries at that pixel look. A file that cannot be read (not an image, truncated) raises, naming
         it; with `skip_unreadable`, each is named in a warning and left out, and the result's `skipped`
-        lists them: [(path, reason)]."""
+        lists them: [(path, reason)]. `slice` (W, H): each image's detections from W x H slices overlapping
+        by `overlap` of a slice, `batch_size` slices a forward, in the image's pixels (inference/slicing.py)."""
+        sliced = None if slice is None else check_slice(slice, overlap)
+        if sliced and (attention or encoder_pixel is not None):
+            raise UsageError("slice: attention and encoder_pixel show one forward of a whole image; not with slices")
         items = images if isinstance(images, (list, tuple)) else [images]
         sources = []  # (the file, or the image given)
         for item in items:
@@ -185,11 +201,32 @@ class Detector:
             # stacklevel 4: past this function, opened_batches and predict, to the line that called predict
             warnings.warn(f"skipped: {error}", stacklevel=4)
 
-        for batch in opened_batches(sources, batch_size, unreadable, key=self.batch_key):
+        # sliced: an image at a time (its slices make the batches), so no large image waits for others
+        for batch in opened_batches(sources, 1 if sliced else batch_size, unreadable, key=self.batch_key):
+            if sliced:
+                [(order, path, image)] = batch
+                merged = sliced_detect(self, image, *sliced, threshold, batch_size)
+                found[order] = self._kept(merged, threshold, image.size, path)
+                continue
             detected = self.detect([image for _, _, image in batch], decoder_layer, encoder_pixel)
             for (order, path, image), one in zip(batch, detected, strict=True):
                 found[order] = self._kept(one, threshold, image.size, path)
         return Predictions([found[order] for order in sorted(found)], skipped)
+
+    def track(
+        self,
+        frames,
+        tracker: str = "bytetrack",
+        threshold: float = 0.5,
+        batch_size: int = 1,
+        frame_rate: float = 30.0,
+        **options,
+    ):
+        """Identities through a video: `frames`, an iterable of images (PIL, (H, W, 3) uint8 arrays) in
+        order -> a generator of each frame's `predict` result at `threshold` with `track_ids` (n,), -1
+        where the tracker has none yet. `tracker`: bytetrack, sort or ocsort, Roboflow's `trackers` (the
+        `track` extra); `frame_rate` the video's; `options` the tracker's own arguments (tracking.py)."""
+        return tracked(self, frames, Tracking(tracker, threshold, frame_rate, **options), batch_size)
 
     def batch_key(self, image) -> tuple[int, int]:
         """(height, width) of `image` (a PIL image, or its (width, height)) as the model sees it, resized
@@ -248,15 +285,22 @@ class Detector:
         return every.at_threshold(threshold)
 
     def evaluate(
-        self, path=None, split: str = "val", batch_size: int | None = None, output_dir=None, verbose: bool = False
+        self,
+        path=None,
+        split: str = "val",
+        batch_size: int | None = None,
+        output_dir=None,
+        verbose: bool = False,
+        threshold: float = THRESHOLD,
     ) -> dict:
         """COCO box AP on `split` of the config's dataset (`path`: its files elsewhere, as `data.path`:
         a folder, or YOLO's data.yaml; a config file or another file is a UsageError) -> what
-        eval_results.json holds: the 12 numbers, "per_class" and "ground_truth" (the boxes evaluated,
-        crowd, and left out as training drops them: data/ground_truth.py). The model's classes meet the
-        dataset's by name (data/classes.py; the lines that say how go to stderr). With `output_dir`,
-        writes there eval_results.json, detections_{split}.json (COCO results format) and
-        pr_curves.png."""
+        eval_results.json holds: the 12 numbers, "per_class", "ground_truth" (the boxes evaluated,
+        crowd, and left out as training drops them: data/ground_truth.py) and "confusion_matrix" of the
+        detections scoring at least `threshold` (confusion.py; not without supervision). The model's
+        classes meet the dataset's by name (data/classes.py; the lines that say how go to stderr). With
+        `output_dir`, writes there eval_results.json, detections_{split}.json (COCO results format),
+        pr_curves.png and confusion_matrix.png."""
         if path is not None:
             _check_dataset_path(Path(path), self.cfg.data.dataset)
         data = self.cfg.data if path is None else dataclasses.replace(self.cfg.data, path=str(path))
@@ -267,13 +311,17 @@ class Detector:
         batch_size = batch_size or evaluation_batch_size(self.cfg)
         backend = self.cfg.evaluation.backend
         with self.products():
-            evaluation = evaluate(self.model, dataset, batch_size, data.num_workers, verbose, backend, class_map)
+            evaluation = evaluate(
+                self.model, dataset, batch_size, data.num_workers, verbose, backend, class_map, threshold
+            )
         if output_dir is not None:
             output_dir = Path(output_dir)
             output_dir.mkdir(parents=True, exist_ok=True)
             (output_dir / f"detections_{split}.json").write_text(json.dumps(evaluation.detections))
             (output_dir / "eval_results.json").write_text(json.dumps(evaluation.stats, indent=2))
             pr_curves(evaluation.curves, output_dir / "pr_curves.png")
+            if "confusion_matrix" in evaluation.stats:
+                draw_confusion_matrix(evaluation.stats["confusion_matrix"], output_dir / "confusion_matrix.png")
         return evaluation.stats
 
     def export(self, to: str, path, hf_backbone: str = "timm", **canvas) -> str:
@@ -313,7 +361,9 @@ def _check_dataset_path(path: Path, dataset: str) -> None:
     a checkpoint, ...): a UsageError naming it, before a reader fails on it somewhere obscure."""
     if not path.is_file():
         return  # a folder, or nothing there: the dataset's reader names what it lacks
-    takes = "evaluate takes a dataset: a folder (COCO's annotations/ + val2017/, or VOC's) or YOLO's data.yaml"
+    takes = (
+        "evaluate takes a dataset: a folder (COCO's annotations/ + val2017/, VOC's, Create ML's) or YOLO's data.yaml"
+    )
     is_yaml = path.suffix.lower() in (".yaml", ".yml")
     if is_yaml and _is_config(path):
         raise UsageError(

@@ -1,6 +1,7 @@
 """COCO box AP of a model on a COCO-format split, with pycocotools or faster-coco-eval
 (`evaluation_backends.py`): `evaluate`, for training and eval.py alike, overall and per category,
-against the ground truth training keeps (`data/ground_truth.py`: without the boxes it drops)."""
+against the ground truth training keeps (`data/ground_truth.py`: without the boxes it drops), and the
+confusion matrix at a score threshold (`confusion.py`)."""
 
 import contextlib
 import io
@@ -14,6 +15,7 @@ from ..data import DataLoader
 from ..data.classes import to_dataset_classes
 from ..data.ground_truth import box_counts, dropped_line, evaluation_ground_truth
 from ..models import post_process
+from .confusion import THRESHOLD, confusion_matrix
 from .evaluation_backends import resolve_backend, run_cocoeval
 
 STAT_NAMES = ["AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl"]
@@ -22,8 +24,9 @@ PER_CLASS_NAMES = ["AP", "AP50", "AP75", "APs", "APm", "APl"]  # pycocotools' fi
 
 @dataclass
 class Evaluation:
-    # STAT_NAMES, "per_class": {category name: PER_CLASS_NAMES and "gt", the boxes}, and "ground_truth":
-    # {"boxes": positives, "crowd": n, "dropped": {reason: boxes left out, as training drops them}}
+    # STAT_NAMES, "per_class": {category name: PER_CLASS_NAMES and "gt", the boxes}, "ground_truth":
+    # {"boxes": positives, "crowd": n, "dropped": {reason: boxes left out, as training drops them}}, and
+    # from `evaluate`, "confusion_matrix" (confusion.py's record; not where supervision is not installed)
     stats: dict
     detections: list  # COCO's results format
     curves: dict  # {category name: precision at 101 recalls, IoU 0.5, -1 where undefined}
@@ -37,14 +40,20 @@ def evaluate(
     verbose: bool = False,
     backend: str = "auto",
     class_map: dict | None = None,
+    threshold: float = THRESHOLD,
 ) -> Evaluation:
-    """COCO box AP of `model` on `dataset` (its val split). `verbose` prints the 12-line summary;
-    `backend`: evaluation.backend; `class_map`: {model's category id: dataset's} (data/classes.py,
-    the classes met by name; None: the same ids). The model is left in the mode it was in."""
+    """COCO box AP of `model` on `dataset` (its val split), and the confusion matrix of its detections
+    scoring at least `threshold`. `verbose` prints the 12-line summary; `backend`: evaluation.backend;
+    `class_map`: {model's category id: dataset's} (data/classes.py, the classes met by name; None: the
+    same ids). The model is left in the mode it was in."""
     training = model.training
     detections = to_dataset_classes(predict_detections(model, dataset, batch_size, num_workers), class_map)
     model.train(training)
-    return score_detections(dataset, detections, verbose, backend)
+    evaluation = score_detections(dataset, detections, verbose, backend)
+    matrix = confusion_matrix(evaluation_ground_truth(dataset), detections, threshold)
+    if matrix is not None:
+        evaluation.stats["confusion_matrix"] = matrix
+    return evaluation
 
 
 def score_detections(dataset, detections: list, verbose: bool = False, backend: str = "auto") -> Evaluation:

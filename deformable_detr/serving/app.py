@@ -1,7 +1,8 @@
 """The detection server's Starlette app: `create_app(detector, ...)`.
 
     POST /v1/detect  an image as the body, or several as multipart/form-data (each file part an image);
-                     query threshold (0.5), attention (0/1/false/true), attention_layer (-1)
+                     query threshold (0.5), attention (0/1/false/true), attention_layer (-1), slice (W,H:
+                     detections from W x H slices of each image, inference/slicing.py), overlap (0.2, of a slice)
                      -> {"model", "image": {"width", "height"}, "detections": [Detections.to_json()]}
                         or {"model", "results": [{"filename", "image", "detections"}, ...]};
                         header X-Batch-Size: the forward batch the (first) image ran in
@@ -18,8 +19,10 @@ client sent: 400 a bad query value or an empty body, 405 another method (with Al
 over read_timeout between two chunks (the connection closed), 413 a body over max_body_mb, an image over
 Pillow's pixel limit or images over the whole pixel budget, 415 not an image, 422 an image whose data is
 truncated or corrupt, 503 a full queue or a pixel budget taken by other requests (both with Retry-After),
-or a server shutting down. Query values are ASCII: threshold a decimal in [0, 1] ("0.3", ".3", "1"; no
-sign, exponent, nan), attention_layer an integer (-1 the last layer), each key once. The pixel budget
+or a server shutting down; 501 slice where supervision (the `slice` extra) is not installed. Query values
+are ASCII: threshold a decimal in [0, 1] ("0.3", ".3", "1"; no sign, exponent, nan), attention_layer an
+integer (-1 the last layer), slice two integers of at least 1 ("256,256"), overlap a decimal in [0, 1) and
+only with slice, and not slice with attention; each key once. The pixel budget
 (max_megapixels) counts the images held decoded at once, decoding, queued and in a forward: a request's
 images are counted from their headers before any is decoded and given back once it is answered. A
 multipart request is answered whole or not at all: one bad part fails it with that part's status, the
@@ -44,6 +47,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
+from ..errors import CommandError
+from ..inference.slicing import OVERLAP, check_slice, slice_count, supervision
 from .batcher import Batcher, Closed, QueueFull
 from .uploads import ClientError, OverBudget, PixelBudget, decode, pixels, quoted, read_header
 
@@ -53,7 +58,9 @@ THRESHOLD = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # ASCII digits alone (str
 LAYER = re.compile(r"-?[0-9]{1,6}")
 DIGITS = re.compile(r"[0-9]+")
 TRUE, FALSE = ("1", "true"), ("0", "false")
-QUERY_KEYS = ("threshold", "attention", "attention_layer")
+SLICE = re.compile(r"[0-9]{1,6},[0-9]{1,6}")
+QUERY_KEYS = ("threshold", "attention", "attention_layer", "slice", "overlap")
+SLICED = "slice"  # the first item of a sliced image's batch key: it runs alone, with its slices as the batches
 
 
 def create_app(
@@ -65,13 +72,15 @@ def create_app(
     name=None,
     max_megapixels: float = 128,
     read_timeout: float = 10,
+    max_slices: int = 1024,
 ) -> Starlette:
     """The app serving `detector` (`Detector`); `name`: the model's name in answers (default: its
-    weights' file or hf:// name); `read_timeout`: seconds a body may stall between two chunks (408). The
+    weights' file or hf:// name); `read_timeout`: seconds a body may stall between two chunks (408);
+    `max_slices`: the slices a request's images may ask for together (`slice`; 400 beyond). The
     batcher's worker starts (and warms up) with the app's lifespan and, at shutdown, runs what is queued
     before it stops."""
     service = DetectionService(
-        detector, max_batch, max_wait_ms / 1000, max_queue, max_body_mb, name, max_megapixels, read_timeout
+        detector, max_batch, max_wait_ms / 1000, max_queue, max_body_mb, name, max_megapixels, read_timeout, max_slices
     )
 
     @contextlib.asynccontextmanager
@@ -158,7 +167,9 @@ async def server_error(request, exc: Exception) -> JSONResponse:
 class DetectionService:
     """The routes' handlers over one `Detector` and its `Batcher`, with the counts /v1/stats reports."""
 
-    def __init__(self, detector, max_batch, max_wait, max_queue, max_body_mb, name, max_megapixels, read_timeout):
+    def __init__(
+        self, detector, max_batch, max_wait, max_queue, max_body_mb, name, max_megapixels, read_timeout, max_slices=1024
+    ):
         self.detector, self.max_body = detector, int(max_body_mb * 1024 * 1024)
         # Loaded weights may still be lazy on the loading thread's MLX stream, which the worker cannot use:
         # computed here, on that thread (MLX streams belong to the thread that made them).
@@ -167,6 +178,7 @@ class DetectionService:
         self.batcher = Batcher(self.run, max_batch, max_wait, max_queue)
         self.budget, self.read_timeout = PixelBudget(int(max_megapixels * 1e6)), read_timeout
         self.requests = self.images = self.errors = self.disconnects = self.timeouts = 0
+        self.max_slices = max_slices
 
     def count_timeout(self) -> None:
         """A connection closed for stalling (the body's here, the headers' in serving/connections.py)."""
@@ -183,7 +195,13 @@ class DetectionService:
         """One batch, on the worker: images of one resized shape (no padding, so no image's answer depends
         on another's size) and one attention layer. Threshold 0 here and each request's own threshold
         after (`Detections.at_threshold`): requests asking different thresholds still share the forward, and the kept
-        detections are those `predict` keeps at that threshold (the same ones, best first)."""
+        detections are those `predict` keeps at that threshold (the same ones, best first). A sliced image's key
+        (SLICED, size, overlap, threshold) runs it with its threshold (the merge takes the kept detections), its
+        slices max_batch a forward."""
+        if key[0] == SLICED:
+            _, size, overlap, threshold = key
+            batch = self.batcher.max_batch
+            return self.detector.predict(images, threshold=threshold, batch_size=batch, slice=size, overlap=overlap)
         _, layer = key
         attention = layer is not None
         return self.detector.predict(
@@ -223,6 +241,7 @@ class DetectionService:
     async def _detect(self, request: Request) -> JSONResponse:
         request.state.body_read = False
         threshold, layer = detect_options(request.query_params, self.detector.cfg.model.dec_layers)
+        sliced = slice_options(request.query_params, layer)
         body = await read_body(request, self.max_body, self.read_timeout)
         request.state.body_read = True
         content_type = request.headers.get("content-type", "")
@@ -235,15 +254,35 @@ class DetectionService:
         if uploads is not None:  # messages name the part: its number and (a short prefix of) its filename
             named = [(f"part {i} ({quoted(filename)})", data) for i, (filename, data) in enumerate(named, 1)]
         headers = [await run_in_threadpool(read_header, data, name) for name, data in named]
+        if sliced is not None:
+            self.check_slices(headers, *sliced)
         with self.budget.reserved(sum(pixels(header) for header in headers)):
-            return await self._answer(uploads, headers, threshold, layer)
+            return await self._answer(uploads, headers, threshold, layer, sliced)
 
-    async def _answer(self, uploads, headers: list, threshold: float, layer) -> JSONResponse:
-        """The answer to a request whose images' pixels are reserved: decoded, run, kept at `threshold`."""
+    def check_slices(self, headers: list, size: tuple[int, int], overlap: float) -> None:
+        """400 where the images of `headers` ask for more than max_slices slices together, counted from
+        their headers (the frame they are decoded in), before any is decoded: a forward a slice, a small
+        slice or a large overlap on a large image would hold the worker for minutes."""
+        counts = [slice_count(header.size_in("displayed"), size, overlap) for header in headers]
+        if sum(counts) > self.max_slices:
+            largest = max(range(len(counts)), key=counts.__getitem__)
+            width, height = headers[largest].size_in("displayed")
+            raise ClientError(
+                400,
+                f"slice {size[0]},{size[1]} overlap {overlap:g}: {sum(counts):,} slices ({counts[largest]:,} of "
+                f"{headers[largest].path}, {width} x {height}); at most {self.max_slices:,} a request "
+                "(--max-slices): larger slices, less overlap or a smaller image",
+            )
+
+    async def _answer(self, uploads, headers: list, threshold: float, layer, sliced=None) -> JSONResponse:
+        """The answer to a request whose images' pixels are reserved: decoded, run, kept at `threshold`;
+        `sliced` (size, overlap): each image on its slices."""
         images = []
         for header in headers:
             images.append(await run_in_threadpool(decode, header))
         keys = [(self.detector.batch_key(image), layer) for image in images]
+        if sliced is not None:
+            keys = [(SLICED, *sliced, threshold)] * len(images)
         futures = self.batcher.submit(list(zip(images, keys, strict=True)))
         del images  # the worker's now, freed once run: before the answer, so that return_memory finds them gone
         answers = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
@@ -320,6 +359,28 @@ def detect_options(query, decoder_layers: int) -> tuple[float, int | None]:
         layers = f"{decoder_layers} decoder layers (0 to {decoder_layers - 1}, or -1: the last)"
         raise ClientError(400, f"attention_layer {quoted(layer)}: the model has {layers}")
     return float(threshold), int(layer) % decoder_layers if attention.lower() in TRUE else None
+
+
+def slice_options(query, layer) -> tuple | None:
+    """-> ((width, height), overlap) of the slices asked, or None: 400 naming slice or overlap where either is
+    malformed, overlap without slice, or slice with attention (`layer`); 501 where supervision is missing."""
+    size, overlap = query.get("slice"), query.get("overlap")
+    if size is None:
+        if overlap is not None:
+            raise ClientError(400, f"overlap {quoted(overlap)}: the overlap of slices, with slice=W,H")
+        return None
+    if not SLICE.fullmatch(size):
+        raise ClientError(400, f"slice {quoted(size)}: expected W,H, two whole numbers of pixels, such as 256,256")
+    if overlap is not None and not THRESHOLD.fullmatch(overlap):
+        raise ClientError(400, f"overlap {quoted(overlap)}: expected a decimal from 0 up to (not including) 1: 0.2")
+    if layer is not None:
+        raise ClientError(400, "slice: attention shows one forward of a whole image; not with slice")
+    try:
+        checked = check_slice(tuple(int(v) for v in size.split(",")), OVERLAP if overlap is None else float(overlap))
+        supervision()
+    except CommandError as failure:  # UsageError (400): a value out of range; else a missing extra (501)
+        raise ClientError(400 if failure.status == 2 else 501, str(failure)) from None
+    return checked
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:

@@ -7,8 +7,19 @@ log.jsonl               a JSON record per step, per epoch and per evaluation; at
                         split (train.py: images, boxes, what was dropped), and one per bad image skipped
 checkpoint.safetensors  the model, optimizer state and progress (`weights/checkpoint.py`)
 checkpoint_best.safetensors   the same, as it was after the evaluation of highest AP
-eval_results.json, predictions.png, curves.png, pr_curves.png   at the end
+eval_results.json, predictions.png, curves.png, pr_curves.png, confusion_matrix.png   at the end
+                        (the matrix's counts in eval_results.json: inference/confusion.py)
 tensorboard/            with train.tensorboard: event files (`tensorboard.py`)
+mlflow/                 with train.mlflow: true: MLflow's store, mlflow.db and artifacts/ (`mlflow_run.py`)
+wandb/                  with train.wandb: offline: W&B's offline runs (`wandb_run.py`)
+run_ids.json            with either: {"mlflow": {"tracking_uri", "run_id"}, "wandb": {"run_id"}}, the runs
+                        that `train.py --resume` in this directory continues
+
+TensorBoard, MLflow and W&B show the same numbers: the step records' (`train/`), each evaluation's
+(`val/`, `val_AP_per_class/`), at their global step (`scalar_groups`). MLflow and W&B receive them as
+each checkpoint is written, the steps it holds (neither can hide, as TensorBoard's restart mark does,
+the steps a run killed past its checkpoint logged, which its resume takes and logs again), and at the
+end the final checkpoint, config.yaml, eval_results.json and the pictures (`ARTIFACTS`).
 
 A run starts afresh or continues a checkpoint (`starting_point`); a fresh run into a directory that
 holds one stops before writing anything, unless told to overwrite it. A file that cannot be written
@@ -26,18 +37,25 @@ from tqdm import tqdm
 
 from ..config import Config
 from ..errors import CommandError, UsageError, WriteError
+from ..inference.confusion import THRESHOLD, draw_confusion_matrix
 from ..inference.detector import Detector
 from ..inference.visualize import grid, plot_curves, pr_curves
 from ..weights.checkpoint import save_checkpoint, saved_progress
 from ..weights.files import temporary_path, write_errors_named
+from .mlflow_run import MLflowRun
 from .resume_check import ResumedConfig, config_text
 from .run_lock import RunLock
 from .tensorboard import TensorBoard
+from .wandb_run import WandbRun
 
 RESUME_HERE = "the output directory's checkpoint"  # train.py's --resume without a path
 # What a run writes, removed when another starts afresh in its directory (--overwrite)
 RUN_FILES = ("checkpoint.safetensors", "checkpoint_best.safetensors", "log.jsonl", "config.yaml", "eval_results.json")
-RUN_FILES += ("predictions.png", "curves.png", "pr_curves.png", "tensorboard")
+RUN_FILES += ("predictions.png", "curves.png", "pr_curves.png", "confusion_matrix.png", "tensorboard")
+RUN_FILES += ("mlflow", "wandb", "run_ids.json")
+# What MLflow and W&B keep of a run that ends (those written): the final checkpoint, its config, results, pictures
+ARTIFACTS = ("checkpoint.safetensors", "config.yaml", "eval_results.json", "predictions.png", "curves.png")
+ARTIFACTS += ("pr_curves.png", "confusion_matrix.png")
 
 
 class RunDirectory:
@@ -51,6 +69,7 @@ class RunDirectory:
         self.lock = RunLock(self.path)
         self._log, self._previous = None, []  # the files of an earlier run, removed by start_writing
         self._tensorboard = None
+        self._trackers = {}  # "mlflow", "wandb": MLflowRun, WandbRun
         self._resumed_config, self.config_history = None, []  # `starting_point`'s; the changes made (resumes)
         if is_main:
             with self._writing(self.path):  # a read-only or missing parent: named as any write is
@@ -138,6 +157,28 @@ class RunDirectory:
             first = progress["global_step"] + 1 if progress is not None else None
             with self._writing(self.path / "tensorboard"):
                 self._tensorboard = TensorBoard(self.path / "tensorboard", purge_step=first)
+        self._start_trackers(resumed_from, progress)
+
+    def _start_trackers(self, resumed_from, progress: dict | None):
+        """The MLflow and W&B runs the config asks for: those run_ids.json names where this directory's
+        checkpoint is continued, else new ones; their ids written there. One that cannot start stops
+        the run in one line, before its first step."""
+        train, ids_path = self.cfg.train, self.path / "run_ids.json"
+        continued = resumed_from is not None and Path(resumed_from).resolve() == self.checkpoint.resolve()
+        known = json.loads(ids_path.read_text()) if continued and ids_path.is_file() else {}
+        starts = {"mlflow": (MLflowRun, train.mlflow), "wandb": (WandbRun, train.wandb)}
+        for name, (tracker, setting) in starts.items():
+            if not setting:
+                continue
+            try:
+                self._trackers[name] = tracker(
+                    setting, self.path, self.cfg, known.get(name), self.print, self.config_history
+                )
+            except Exception as error:  # a server away, a store that cannot be opened: its own words
+                raise CommandError(f"train.{name}: cannot start its run: {first_line(error)}") from error
+        if self._trackers:
+            with self._writing(ids_path):
+                ids_path.write_text(json.dumps({**known, **{k: t.ids() for k, t in self._trackers.items()}}, indent=2))
 
     def write_config(self):
         """config.yaml: the config as resolved (the memory plan's choices in place of `auto`), printed;
@@ -161,33 +202,45 @@ class RunDirectory:
             with contextlib.suppress(OSError):  # likewise
                 self._tensorboard.close()
             self._tensorboard = None
+        self._end_trackers(exception[1])
         self.lock.release()
+
+    def _end_trackers(self, error: BaseException | None):
+        """A run that ended (`error` None): MLflow's and W&B's last scalars and the `ARTIFACTS`; a run
+        stopped (by a signal: killed) or failed, marked so, without the steps past its checkpoint."""
+        for name, tracker in self._trackers.items():
+            try:
+                if error is None:
+                    tracker.finish([self.path / file for file in ARTIFACTS if (self.path / file).is_file()])
+                else:
+                    tracker.stop(killed=isinstance(error, CommandError) and error.status > 128)
+            except Exception as problem:  # the run's own files are written: a line, not a failure
+                self.print(f"warning: train.{name}: could not end its run: {first_line(problem)}")
+        self._trackers = {}
 
     def print(self, message: str):
         if self.is_main:
             tqdm.write(message)
 
     def log(self, record: dict):
-        """A record of log.jsonl; a step's or an evaluation's scalars in TensorBoard too."""
+        """A record of log.jsonl; a step's or an evaluation's scalars in TensorBoard, MLflow and W&B
+        too (`scalar_groups`), and an evaluation's confusion matrix in TensorBoard."""
         if self._log is not None:
             with self._writing(self.log_path):
                 self._log.write(json.dumps(record) + "\n")
                 self._log.flush()
-        if self._tensorboard is not None and (("loss" in record and "step" in record) or "eval" in record):
+        groups = scalar_groups(record)
+        if self._tensorboard is not None and groups:
             with self._writing(self.path / "tensorboard"):
-                self._tensorboard_scalars(record)
+                for prefix, values in groups:
+                    self._tensorboard.scalars(values, record["global_step"], prefix)
+                if "confusion_matrix" in record.get("eval", {}):
+                    picture = draw_confusion_matrix(record["eval"]["confusion_matrix"])
+                    self._tensorboard.image("val/confusion_matrix", picture, record["global_step"])
                 self._tensorboard.flush()  # record by record, as the log: what TensorBoard shows is current
-
-    def _tensorboard_scalars(self, record: dict):
-        step = record["global_step"]
-        if "eval" not in record:
-            counters = ("epoch", "step", "global_step")
-            self._tensorboard.scalars({k: v for k, v in record.items() if k not in counters}, step, "train")
-            return
-        stats = record["eval"]
-        self._tensorboard.scalars({k: v for k, v in stats.items() if k != "per_class"}, step, "val")
-        per_class = {name: values["AP"] for name, values in stats.get("per_class", {}).items()}
-        self._tensorboard.scalars(per_class, step, "val_AP_per_class")
+        for tracker in self._trackers.values():  # sent at the next checkpoint (`save`)
+            for prefix, values in groups:
+                tracker.scalars(values, record["global_step"], prefix)
 
     def resume(self, checkpoint, progress: dict):
         """Before the log is opened: a run killed after its last checkpoint (kill -9, a power cut)
@@ -210,6 +263,11 @@ class RunDirectory:
         for path in (self.checkpoint, self.best_checkpoint) if best else (self.checkpoint,):
             with self._writing(path):
                 save_checkpoint(path, model, optimizer, self.cfg, metadata, self.class_names, ema, self.config_history)
+        for name, tracker in self._trackers.items():  # the steps the checkpoint holds: each sent once
+            try:
+                tracker.flush()
+            except Exception as error:  # a server away: they stay, for the next checkpoint to send
+                self.print(f"warning: train.{name}: {first_line(error)}; its scalars wait for the next checkpoint")
 
     @contextlib.contextmanager
     def _writing(self, path):
@@ -230,11 +288,15 @@ class RunDirectory:
         return f"{label} checkpoint, intact: {kept} ({describe_checkpoint(kept)})"
 
     def write_results(self, stats: dict):
+        """eval_results.json, and confusion_matrix.png where `stats` has the matrix."""
         if self.is_main:
             with self._writing(self.path / "eval_results.json"):
                 (self.path / "eval_results.json").write_text(json.dumps(stats, indent=2))
+            if "confusion_matrix" in stats:
+                with self._writing(self.path / "confusion_matrix.png"):
+                    draw_confusion_matrix(stats["confusion_matrix"], self.path / "confusion_matrix.png")
 
-    def write_pictures(self, model, val, pr: dict, count: int = 6, threshold: float = 0.3):
+    def write_pictures(self, model, val, pr: dict, count: int = 6, threshold: float = THRESHOLD):
         """predictions.png: the first val images with what the model finds (scores >= threshold);
         curves.png: the training loss and val AP per epoch, from the log; pr_curves.png: precision
         against recall per category (`pr`, `Evaluation.curves`)."""
@@ -255,7 +317,7 @@ class RunDirectory:
                 self.path / "curves.png",
             )
 
-    def draw_evaluation(self, model, val, pr: dict, step: int, count: int = 6, threshold: float = 0.3):
+    def draw_evaluation(self, model, val, pr: dict, step: int, count: int = 6, threshold: float = THRESHOLD):
         """With TensorBoard: the pictures of an evaluation (as `write_pictures` draws them at the end)
         at its global `step`; `model` with the weights evaluated."""
         if self._tensorboard is None:
@@ -265,6 +327,29 @@ class RunDirectory:
             self._tensorboard.image("val/predictions", predictions, step)
             self._tensorboard.image("val/pr_curves", pr_curves(pr), step)
             self._tensorboard.flush()
+
+
+def scalar_groups(record: dict) -> list[tuple[str, dict]]:
+    """The numbers of a step record ("train": losses, lr, gradient norm, images/s) or an evaluation
+    record ("val": AP, AP50, ...; "val_AP_per_class": each category's AP), as (group, {name: number});
+    [] for the log's other records."""
+
+    def numbers(values: dict) -> dict:
+        return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    if "eval" in record:
+        stats = record["eval"]
+        per_class = {name: values["AP"] for name, values in stats.get("per_class", {}).items()}
+        return [("val", numbers(stats)), ("val_AP_per_class", numbers(per_class))]
+    if "loss" in record and "step" in record:
+        return [("train", numbers({k: v for k, v in record.items() if k not in ("epoch", "step", "global_step")}))]
+    return []
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message, its first line (MLflow's carry the server's whole answer), or its class."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def predictions_grid(model, cfg: Config, val, count: int, threshold: float):

@@ -1,7 +1,8 @@
 """TensorBoard event files of a run (`train.tensorboard: true`), in <run>/tensorboard/: the step
 records' scalars (`train/`: losses, lr, gradient norm, images/s) at their global step, and at each
 evaluation's, its AP, AP50, ... (`val/`), each category's AP (`val_AP_per_class/`) and pictures (the
-first val images' predictions, the PR curves). `tensorboard --logdir output` shows them.
+first val images' predictions, the PR curves, the confusion matrix where supervision is installed:
+inference/confusion.py). `tensorboard --logdir output` shows them. (run_directory.py writes them.)
 
 Written by the `tensorboard` package's own event writer (the `tensorboard` extra: the one that shows
 them): tensorboardX imports PyTorch where it is installed, which this package never does

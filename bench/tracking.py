@@ -1,0 +1,263 @@
+"""Identities through the synthetic shapes video: MOTA, IDF1 and ID switches (motmetrics, an independent
+implementation of the CLEAR MOT and identity metrics) of ByteTrack, SORT and OC-SORT (Roboflow's
+`trackers`, deformable_detr/inference/tracking.py) on the quick start's model, and frames per second.
+
+    python bench/tracking.py [--checkpoint output/shapes/checkpoint.safetensors] [--frames 200] [--seeds 0 1 2]
+                             [--threshold 0.3] [--batch-size 4] [--output bench/results/tracking_cpu.txt]
+
+1. A video per seed (deformable_detr/data/shapes_video.py: `--frames` frames, 160 x 120, six shapes,
+   25 frames/s), written as H.264 and decoded again, as `predict` reads it; the metrics are over them all.
+2. The model's detections of every frame, once (`Detector.predict` at the lowest score a tracker is
+   given, ByteTrack's 0.1, batches of `--batch-size`): the detector's frames/s.
+3. Each tracker on those detections at `--threshold` (`Tracking.update`, as `Detector.track`): its own
+   frames/s, and against the ground truth: MOTA, IDF1, ID switches, false positives, misses, MOTP
+   (1 - IoU) and the objects mostly tracked / lost, an object counting where at least MIN_VISIBILITY
+   of it is seen (a hypothesis on a less visible one is left out, MOTChallenge's distractor rule as
+   motmetrics.preprocess applies it); a hypothesis is a detection with a track id (not -1). Then
+   ByteTrack without its low-score stage, and ByteTrack and SORT given the duplicate boxes too.
+4. The same trackers fed the ground truth with a detector's kind of noise (`noisy_detections`):
+   the trackers alone, with good detections.
+5. `predict --track bytetrack` on each video end to end (decoding, the model, the tracker, drawing the
+   boxes, ids and trails, encoding): its own frames/s line.
+
+The quick start's model scores low (its best detection on a val image is 0.4-0.6), so the threshold is
+0.3, as bench/predict.py's."""
+
+import contextlib
+import io
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import kernels  # noqa: F401  (the BLAS set up before MLX loads)
+from deformable_detr.cli import ArgumentParser, entry_point
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_model, load_average, report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MIN_VISIBILITY = 0.5  # an object counts where at least half of it is seen
+TRACKER_NAMES = ("bytetrack", "sort", "ocsort")
+METRICS = ["mota", "idf1", "num_switches", "num_false_positives", "num_misses", "motp"]
+METRICS += ["mostly_tracked", "mostly_lost", "num_unique_objects"]
+
+
+def xywh(boxes) -> np.ndarray:
+    boxes = np.asarray(boxes, np.float64).reshape(-1, 4)
+    return np.concatenate([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], 1)
+
+
+def iou_distances(objects, hypotheses) -> np.ndarray:
+    """motmetrics' `distances.iou_matrix(objects, hypotheses, max_iou=0.5)` (x, y, w, h boxes): 1 - IoU,
+    NaN (not a match) under IoU 0.5. Its own call fails on NumPy 2 in motmetrics 1.4.0, the newest
+    release (np.asfarray; cheind/py-motmetrics#199, fixed on its main branch by #200): the same from its
+    `boxiou`."""
+    import motmetrics as mm
+
+    objects, hypotheses = xywh(objects), xywh(hypotheses)
+    distances = 1 - mm.distances.boxiou(objects[:, None], hypotheses[None, :])
+    return np.where(distances > 0.5, np.nan, distances).reshape(len(objects), len(hypotheses))
+
+
+def hypotheses(frame) -> tuple[list, np.ndarray]:
+    """A tracked frame's `Detections` -> (track ids, x0, y0, x1, y1 boxes) of those with an id, each id
+    once (a query's box under a second class carries the same id)."""
+    ids, boxes = [], []
+    for track_id, box in zip(frame.track_ids, frame.boxes, strict=True):
+        if track_id >= 0 and int(track_id) not in ids:
+            ids.append(int(track_id))
+            boxes.append(box)
+    return ids, np.asarray(boxes, np.float64).reshape(-1, 4)
+
+
+def accumulate(truth: list, tracked: list, min_visibility: float = MIN_VISIBILITY):
+    """A motmetrics accumulator of `tracked` (per frame, (ids, boxes) or `Detections` with `track_ids`)
+    against `truth` (shapes_video's per-frame objects), matched at IoU >= 0.5."""
+    import motmetrics as mm
+    from motmetrics.lap import linear_sum_assignment
+
+    accumulator = mm.MOTAccumulator(auto_id=True)
+    for objects, frame in zip(truth, tracked, strict=True):
+        ids, boxes = frame if isinstance(frame, tuple) else hypotheses(frame)
+        if objects and ids:  # MOTChallenge's distractor rule: a hypothesis on a hardly seen object is dropped
+            everything = iou_distances([o["box"] for o in objects], boxes)
+            rows, columns = linear_sum_assignment(everything)
+            dropped = {
+                c
+                for r, c in zip(rows, columns, strict=True)
+                if np.isfinite(everything[r, c]) and objects[r]["visibility"] < min_visibility
+            }
+            ids = [i for c, i in enumerate(ids) if c not in dropped]
+            boxes = np.delete(boxes, sorted(dropped), axis=0)
+        counted = [o for o in objects if o["visibility"] >= min_visibility]
+        accumulator.update([o["id"] for o in counted], ids, iou_distances([o["box"] for o in counted], boxes))
+    return accumulator
+
+
+def mot_metrics(accumulators: list) -> dict:
+    """motmetrics' METRICS over the videos of `accumulators` together."""
+    import motmetrics as mm
+
+    names = [str(i) for i in range(len(accumulators))]
+    summary = mm.metrics.create().compute_many(accumulators, metrics=METRICS, names=names, generate_overall=True)
+    return {name: float(summary[name].loc["OVERALL"]) for name in METRICS}
+
+
+def noisy_detections(truth: list, size: tuple, seed: int = 0, classes=None) -> list:
+    """A detector's kind of `Detections` made from `truth` (shapes_video's per-frame objects), seeded:
+    an object is found with a chance rising with its visibility (0 under 0.1, 0.95 from 0.6), its
+    score lower the more it is hidden (0.15 + 0.75 x visibility, +- 0.1: a half-hidden object scores
+    about 0.5), each box side moved by N(0, 5% of the box's side), one label in ten wrong; a false
+    positive (score 0.3-0.7) in one frame in 20."""
+    from deformable_detr.data.shapes import CATEGORIES
+    from deformable_detr.inference.detector import Detections
+
+    classes = classes or {i + 1: name for i, name in enumerate(CATEGORIES)}
+    rng = np.random.default_rng(seed)
+    width, height = size
+    frames = []
+    for objects in truth:
+        boxes, scores, labels = [], [], []
+        for o in objects:
+            v = o["visibility"]
+            if rng.uniform() >= 0.95 * np.clip((v - 0.1) / 0.5, 0, 1):
+                continue
+            x0, y0, x1, y1 = o["box"]
+            side = np.array([x1 - x0, y1 - y0, x1 - x0, y1 - y0], np.float64)
+            boxes.append(np.array(o["box"], np.float64) + rng.normal(0, 0.05, 4) * side)
+            scores.append(float(np.clip(0.15 + 0.75 * v + rng.uniform(-0.1, 0.1), 0.01, 0.99)))
+            wrong = rng.uniform() < 0.1
+            labels.append(int(rng.choice(list(classes))) if wrong else o["category_id"])
+        if rng.uniform() < 0.05:
+            side = rng.uniform(16, 32)
+            x, y = rng.uniform(0, width - side), rng.uniform(0, height - side)
+            boxes.append(np.array([x, y, x + side, y + side]))
+            scores.append(float(rng.uniform(0.3, 0.7)))
+            labels.append(int(rng.choice(list(classes))))
+        order = np.argsort(scores)[::-1]
+        frames.append(
+            Detections(
+                boxes=np.asarray(boxes, np.float32).reshape(-1, 4)[order],
+                scores=np.asarray(scores, np.float32)[order],
+                labels=np.asarray(labels, np.int64)[order],
+                names=[classes[labels[i]] for i in order],
+                queries=np.arange(len(order)),
+                image_size=size,
+            )
+        )
+    return frames
+
+
+def track_all(name: str, frames: list, threshold: float, fps: float, **options) -> tuple[list, float]:
+    """`frames` (every frame's `Detections`) through a new `Tracking` -> (the tracked frames, frames/s)."""
+    from deformable_detr.inference.tracking import Tracking
+
+    tracking = Tracking(name, threshold, fps, **options)
+    start = time.perf_counter()
+    tracked = [tracking.update(frame) for frame in frames]
+    return tracked, len(frames) / (time.perf_counter() - start)
+
+
+def rows(videos: list, detections: list, threshold: float, runs: list) -> list[str]:
+    """A table row per (label, tracker, options) of `runs`: its metrics over `videos` (each tracked on its
+    `detections`, a new tracker each) and the tracker's frames/s."""
+    lines = []
+    for label, name, options in runs:
+        accumulators, frames, seconds = [], 0, 0.0
+        for video, found in zip(videos, detections, strict=True):
+            tracked, rate = track_all(name, found, threshold, video.fps, **options)
+            accumulators.append(accumulate(video.truth, tracked))
+            frames, seconds = frames + len(found), seconds + len(found) / rate
+        lines.append(row(label, mot_metrics(accumulators), frames / seconds))
+    return lines
+
+
+def row(label: str, metrics: dict, rate: float) -> str:
+    m = metrics
+    return (
+        f"| {label} | {m['mota']:.3f} | {m['idf1']:.3f} | {m['num_switches']:.0f} | {m['num_false_positives']:.0f} "
+        f"| {m['num_misses']:.0f} | {m['motp']:.3f} | {m['mostly_tracked']:.0f} / {m['mostly_lost']:.0f} "
+        f"| {rate:,.0f} |"
+    )
+
+
+@entry_point
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, default=ROOT / "output" / "shapes" / "checkpoint.safetensors")
+    parser.add_argument("--frames", type=int, default=200)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="a video each")
+    parser.add_argument("--threshold", type=float, default=0.3)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "tracking_cpu.txt")
+    args = parser.parse_args(argv)
+
+    from deformable_detr.data.shapes_video import make_video, write_video
+    from deformable_detr.inference.detector import Detector
+    from deformable_detr.inference.tracking import LOW_SCORE
+    from deformable_detr.predict import main as predict
+
+    import av
+
+    lines = [
+        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
+        f"load average at start: {load_average()}",
+    ]
+    videos = [make_video(seed, args.frames) for seed in args.seeds]
+    boxes = [o for video in videos for objects in video.truth for o in objects]
+    counted = sum(o["visibility"] >= MIN_VISIBILITY for o in boxes)
+    width, height = videos[0].size
+    lines.append(
+        f"videos: shapes_video seeds {', '.join(map(str, args.seeds))}, each {args.frames} frames of {width} x "
+        f"{height} at {videos[0].fps:g} frames/s, 6 objects; {counted} boxes at least {MIN_VISIBILITY:g} visible "
+        f"(counted), {len(boxes) - counted} less (left out)"
+    )
+    detector = Detector.load(args.checkpoint, precision="float32")
+    detections, seconds, end_to_end = [], 0.0, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for video in videos:
+            path = write_video(Path(tmp) / f"shapes_{video.seed}.mp4", video)
+            with av.open(str(path)) as source:
+                frames = [frame.to_image() for frame in source.decode(video=0)]
+            detector.predict(frames[: args.batch_size], LOW_SCORE, batch_size=args.batch_size)  # warm-up
+            start, found = time.perf_counter(), []
+            for i in range(0, len(frames), args.batch_size):
+                found += detector.predict(frames[i : i + args.batch_size], LOW_SCORE, batch_size=args.batch_size)
+            seconds += time.perf_counter() - start
+            detections.append(found)
+            with contextlib.redirect_stdout(io.StringIO()) as said, contextlib.redirect_stderr(io.StringIO()):
+                argv = ["--checkpoint", str(args.checkpoint), "--precision", "float32"]
+                argv += ["--threshold", str(args.threshold), "--batch-size", str(args.batch_size)]
+                predict([*argv, "--output-dir", str(Path(tmp) / "out"), "--track", "bytetrack", str(path)])
+            end_to_end.append(float(re.search(r"([\d.]+) frames/s", said.getvalue()).group(1)))
+    frames = sum(len(found) for found in detections)
+    lines.append(
+        f"the quick start's model ({args.checkpoint}), float32, batches of {args.batch_size}: the detector "
+        f"{frames / seconds:.1f} frames/s; predict --track bytetrack end to end (decode, detect, track, draw, "
+        f"encode) {', '.join(f'{rate:.1f}' for rate in end_to_end)} frames/s"
+    )
+    header = [
+        "| tracker | MOTA | IDF1 | ID switches | false positives | misses | MOTP (1 - IoU) | mostly tracked / lost "
+        "| tracker frames/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    runs = [(name, name, {}) for name in TRACKER_NAMES]
+    ablations = [
+        ("bytetrack, no low-score stage", "bytetrack", {"low_score": None}),
+        ("bytetrack, duplicates kept", "bytetrack", {"duplicates": None}),
+        ("sort, duplicates kept", "sort", {"duplicates": None}),
+    ]
+    lines += ["", f"The model's detections, threshold {args.threshold:g}:", "", *header]
+    lines += rows(videos, detections, args.threshold, runs + ablations)
+    noisy = [noisy_detections(video.truth, video.size, video.seed) for video in videos]
+    lines += ["", "The ground truth with noise (noisy_detections), threshold 0.5:", "", *header]
+    lines += rows(videos, noisy, 0.5, runs + ablations[:1])
+    report(lines, args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""A synthetic video for tracking: the shapes set's classes moving on a textured background, with the
+ground-truth identity of every object in every frame.
+
+The quick start's five classes (shapes.py's drawing and colour families), 16-40 pixels, in 160 x 120
+frames (the sizes the quick-start model was trained on: 12-64 pixel shapes in 96-160 pixel images).
+Each object keeps its class, size, colour and depth; it moves at 0.8-2.5 pixels a frame with a little
+random acceleration, so paths cross and bend, and nearer objects hide farther ones. Objects bounce
+off the frame's edges, but now and then (`leave`, the chance at each bounce) one goes through, out of
+the frame, turns back at a wall up to `margin` pixels beyond it, and comes back in: out for a few
+frames to a few seconds (a tracker without appearance features must recognise it again).
+The background is shapes.py's texture, still (the camera does not move), with fresh sensor noise in
+every frame. Deterministic from its seed.
+
+Ground truth per frame: every object whose box meets the frame, {"id", "category_id", "name", "box"
+[x0, y0, x1, y1] in pixels (the whole shape, as shapes.py annotates it, clipped to the frame),
+"visibility"}, the fraction of the shape's pixels that are in the frame and not hidden by a nearer
+shape (MOTChallenge's visibility).
+
+    python -m deformable_detr.data.shapes_video OUT.mp4 [--frames 200] [--objects 6] [--seed 0] [--fps 25]
+
+writes OUT.mp4 (H.264; the `video` extra), OUT.gt.json ({"fps", "width", "height", "seed", "frames":
+[{"frame", "objects": [...]}]}) and OUT.gt.txt (MOTChallenge's gt.txt: frame, id, x, y, w, h, 1,
+category id, visibility, frames from 1), which motmetrics and Roboflow's trackers evaluate against."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from ..cli import ArgumentParser, entry_point
+from ..errors import CommandError, install_hint
+from .shapes import CATEGORIES, SHAPES, _background, _draw_shape
+
+
+@dataclass
+class ShapesVideo:
+    """`frames`: PIL images (RGB); `truth`: per frame, the objects seen (the module's docstring)."""
+
+    frames: list
+    truth: list
+    fps: float
+    seed: int
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.frames[0].size if self.frames else (0, 0)
+
+
+def make_video(
+    seed: int = 0,
+    frames: int = 200,
+    size: tuple[int, int] = (160, 120),
+    objects: int = 6,
+    sizes: tuple[int, int] = (16, 32),
+    speed: tuple[float, float] = (0.8, 2.5),
+    leave: float = 0.3,
+    margin: int = 40,
+    fps: float = 25.0,
+    categories=CATEGORIES,
+) -> ShapesVideo:
+    """The video of the module's docstring: `size` (width, height), `objects` shapes of `sizes` pixels
+    (smallest, largest) at `speed` pixels a frame; at a bounce on the frame's edge a shape leaves the
+    frame instead with chance `leave`, turning back 4 to `margin` pixels beyond where it is wholly out."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    frame = np.array([width, height])
+    background = np.asarray(_background(rng, height, width), np.float32)
+    kinds = rng.integers(len(categories), size=objects)
+    sides = rng.integers(sizes[0], sizes[1] + 1, size=objects)
+    extent = sides[:, None] + 1  # a shape covers side + 1 pixels (PIL draws both edges), as its box
+    colours = [
+        tuple(int(c) for c in np.clip(np.array(SHAPES[categories[k]]) + rng.integers(-30, 31, 3), 0, 255))
+        for k in kinds
+    ]
+    position = rng.uniform(0, 1, (objects, 2)) * (frame - extent)  # all in the first frame
+    angle = rng.uniform(0, 2 * np.pi, objects)
+    velocity = rng.uniform(*speed, objects)[:, None] * np.stack([np.cos(angle), np.sin(angle)], 1)
+    # the walls each shape bounces off: the frame's edges, or beyond them while it is away
+    low, high = np.zeros((objects, 2)), (frame - extent).astype(np.float64)
+    away = np.zeros(objects, bool)
+    areas = [_shape_area(categories[k], int(s)) for k, s in zip(kinds, sides, strict=True)]
+    video, truth = [], []
+    for _ in range(frames):
+        corners = np.round(position).astype(int)
+        image = Image.fromarray((background + rng.normal(0, 3, background.shape)).clip(0, 255).astype(np.uint8))
+        pen, ids = ImageDraw.Draw(image), Image.new("L", size, 0)
+        id_pen = ImageDraw.Draw(ids)
+        for i in range(objects):  # object 1 farthest, the last nearest: the later hide the earlier
+            x, y = (int(v) for v in corners[i])
+            _draw_shape(pen, categories[kinds[i]], x, y, int(sides[i]), colours[i])
+            _draw_shape(id_pen, categories[kinds[i]], x, y, int(sides[i]), i + 1)
+        seen = np.bincount(np.asarray(ids).ravel(), minlength=objects + 1)
+        objects_seen = []
+        for i in range(objects):
+            x, y = (int(v) for v in corners[i])
+            box = [max(x, 0), max(y, 0), min(x + int(extent[i, 0]), width), min(y + int(extent[i, 0]), height)]
+            if box[0] >= box[2] or box[1] >= box[3]:
+                continue  # wholly outside the frame
+            objects_seen.append(
+                {
+                    "id": i + 1,
+                    "category_id": int(kinds[i]) + 1,
+                    "name": categories[kinds[i]],
+                    "box": box,
+                    "visibility": round(float(seen[i + 1] / areas[i]), 3),
+                }
+            )
+        video.append(image)
+        truth.append(objects_seen)
+        # a little random acceleration, the speed kept in range
+        velocity += rng.normal(0, 0.06, velocity.shape)
+        norm = np.linalg.norm(velocity, axis=1, keepdims=True)
+        velocity *= np.clip(norm, *speed) / np.maximum(norm, 1e-9)
+        position += velocity
+        for i, axis in zip(*np.nonzero((position < low) | (position > high)), strict=True):
+            if not away[i] and rng.uniform() < leave:  # through the edge: the wall moves out beyond it
+                away[i] = True
+                beyond = extent[i, 0] + rng.uniform(4, margin)
+                low[i], high[i] = -beyond, frame - extent[i] + beyond
+                continue
+            velocity[i, axis] = -velocity[i, axis]
+            position[i, axis] = np.clip(position[i, axis], low[i, axis], high[i, axis])
+        back = away & np.all((position >= 0) & (position <= frame - extent), axis=1)
+        low[back], high[back], away[back] = 0, (frame - extent)[back], False  # wholly in again: the edges
+    return ShapesVideo(video, truth, fps, seed)
+
+
+def _shape_area(kind: str, side: int) -> int:
+    """The pixels a shape of `side` covers, drawn alone (visibility's denominator)."""
+    canvas = Image.new("L", (side + 2, side + 2), 0)
+    _draw_shape(ImageDraw.Draw(canvas), kind, 0, 0, side, 1)
+    return int(np.count_nonzero(np.asarray(canvas)))
+
+
+def write_video(path, video: ShapesVideo) -> Path:
+    """`video` as `path` (H.264 at `video.fps`, nearly lossless: crf 12) beside its ground truth,
+    <stem>.gt.json and <stem>.gt.txt (the module's docstring). Needs PyAV (the `video` extra)."""
+    try:
+        import av
+    except ImportError:
+        raise CommandError(f'writing a video needs PyAV, the "video" extra: {install_hint("video")}') from None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    width, height = video.size
+    with av.open(str(path), "w") as sink:
+        stream = sink.add_stream("libx264", rate=round(video.fps), options={"crf": "12"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for image in video.frames:
+            sink.mux(stream.encode(av.VideoFrame.from_image(image)))
+        sink.mux(stream.encode())
+    frames = [{"frame": t, "objects": objects} for t, objects in enumerate(video.truth)]
+    record = {"fps": video.fps, "width": width, "height": height, "seed": video.seed, "frames": frames}
+    path.with_suffix(".gt.json").write_text(json.dumps(record, indent=1))
+    lines = [
+        f"{t + 1},{o['id']},{x0},{y0},{x1 - x0},{y1 - y0},1,{o['category_id']},{o['visibility']}"
+        for t, objects in enumerate(video.truth)
+        for o in objects
+        for x0, y0, x1, y1 in [o["box"]]
+    ]
+    path.with_suffix(".gt.txt").write_text("\n".join(lines) + "\n")
+    return path
+
+
+@entry_point
+def main(argv=None):
+    parser = ArgumentParser(prog="python -m deformable_detr.data.shapes_video", description=__doc__.split("\n\n")[0])
+    parser.add_argument("output", type=Path, help="the video to write, e.g. data/shapes_video/clip.mp4")
+    parser.add_argument("--frames", type=int, default=200)
+    parser.add_argument("--objects", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fps", type=float, default=25.0)
+    args = parser.parse_args(argv)
+    video = make_video(args.seed, args.frames, objects=args.objects, fps=args.fps)
+    path = write_video(args.output, video)
+    print(
+        f"wrote {args.frames} frames ({video.size[0]} x {video.size[1]}) of {args.objects} shapes to {path}, "
+        f"ground truth in {path.with_suffix('.gt.json')} and {path.with_suffix('.gt.txt')}"
+    )
+
+
+if __name__ == "__main__":
+    main()
