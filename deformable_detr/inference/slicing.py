@@ -22,8 +22,8 @@ detection kept at one threshold is kept, unchanged, at any lower one (NMM's boxe
 scored below). Per class: Deformable DETR gives a query's box under more than one class, each pair with
 its own score (the model's top 100 over queries x classes); suppression across classes would take those
 away from the slices' own answers. bench/slicing.py measured them on the small shapes set
-(bench/README.md#sliced-inference): AP 0.761 this way, the same across classes (with a third fewer
-detections), 0.757 with IoS as the overlap, 0.645 / 0.677 merging (NMM, IoU / IoS), 0.673 with no merge.
+(bench/README.md#sliced-inference): AP 0.760 this way, the same across classes (with a third fewer
+detections), 0.758 with IoS as the overlap, 0.666 / 0.689 merging (NMM, IoU / IoS), 0.632 with no merge.
 
 Boxes are clipped to their slice before the merge: the model saw nothing beyond it (and supervision warns
 of boxes outside a slice, its sign of a callback run on the whole image). A slice larger than the image
