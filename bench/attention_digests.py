@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import kernels
-from deformable_detr.cli import ArgumentParser, entry_point
+from deformable_detr.errors import ArgumentParser, entry_point
 
 import mlx.core as mx
 import numpy as np

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from deformable_detr.cli import ArgumentParser, entry_point
+from deformable_detr.errors import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import measured, report  # noqa: E402

@@ -45,7 +45,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 # the measuring processes (bench/model.py's too) import this checkout's package, installed or not
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 import kernels  # noqa: E402
-from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
+from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 
 from common import cpu_model, measured, median_time, report  # noqa: E402
 from model import PRECISIONS, SIZE, TORCH_LABELS, run_side  # noqa: E402

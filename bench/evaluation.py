@@ -21,9 +21,9 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.data import COCO_CATEGORY_NAMES
 from deformable_detr.data.in_memory import coco_from_dict
+from deformable_detr.errors import ArgumentParser, entry_point
 from deformable_detr.inference.evaluation import STAT_NAMES, coco_evaluator
 
 import numpy as np

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import kernels  # noqa: F401  (first: the BLAS the commands use)
-from deformable_detr.cli import ArgumentParser, entry_point
+from deformable_detr.errors import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, report  # noqa: E402

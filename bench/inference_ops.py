@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then calls, and sets glibc's malloc)
 import kernels  # noqa: E402
-from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
+from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 from deformable_detr.models import linear, position_encoding, precision, recompute  # noqa: E402
 from kernels.channel_affine import with_mlx_ops as channel_affine_with_mlx_ops  # noqa: E402
 from kernels.sin_cos import with_mlx_ops as sin_cos_with_mlx_ops  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 from deformable_detr import Detector  # noqa: E402
-from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
+from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 from deformable_detr.models.precision import inference_precision  # noqa: E402
 
 import numpy as np  # noqa: E402

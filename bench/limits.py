@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then calls, and sets glibc's malloc)
 import kernels  # noqa: E402
-from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
+from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from attention import ENCODER, inputs  # noqa: E402

@@ -19,7 +19,7 @@ import resource
 import sys
 from pathlib import Path
 
-from deformable_detr.cli import ArgumentParser, entry_point
+from deformable_detr.errors import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, image_sizes, measured, median_time, report  # noqa: E402

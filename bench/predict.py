@@ -23,7 +23,7 @@ import timeit
 from pathlib import Path
 
 import kernels
-from deformable_detr.cli import ArgumentParser, entry_point
+from deformable_detr.errors import ArgumentParser, entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import image_sizes, median_time, report  # noqa: E402

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import kernels
-from deformable_detr.cli import ArgumentParser, entry_point
+from deformable_detr.errors import ArgumentParser, entry_point
 
 from common import image_sizes, report
 

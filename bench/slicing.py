@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 from deformable_detr import Detector  # noqa: E402
-from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
 from deformable_detr.data.small_shapes import OBJECT_SIZES, TILE, generate  # noqa: E402
+from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 from deformable_detr.inference import slicing  # noqa: E402
 
 import mlx.core as mx  # noqa: E402

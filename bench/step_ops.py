@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then calls, and sets glibc's malloc)
 import kernels  # noqa: E402
-from deformable_detr.cli import ArgumentParser, entry_point  # noqa: E402
+from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 from deformable_detr.models import recompute  # noqa: E402
 from deformable_detr.training.trainer import seed_step  # noqa: E402
 from kernels.masked_scale import masked_scale_with_mlx_ops, scale_where_positive_with_mlx_ops  # noqa: E402

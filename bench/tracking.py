@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import kernels  # noqa: F401  (the BLAS set up before MLX loads)
-from deformable_detr.cli import ArgumentParser, entry_point
+from deformable_detr.errors import ArgumentParser, entry_point
 
 import numpy as np
 

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from deformable_detr.cli import ArgumentParser, entry_point
 from deformable_detr.config import load_config
+from deformable_detr.errors import ArgumentParser, entry_point
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,18 @@
-"""The errors whose message is for the user: every command prints them as one line (`cli.py`).
+"""The errors whose message is for the user, and how a command line prints them: one line.
+
+    @entry_point
+    def main(argv=None):
+        args = ArgumentParser(...).parse_args(argv)
+
+Whatever stops a command (the package's, a data generator's, a bench script's) becomes one line on
+stderr, `error: ...`, and an exit status:
+
+- 2, a usage error (`UsageError`): an argument, a config file, key or value is wrong;
+- 1, a failure of the work: a missing or unreadable file (weights, image, data), bad data, or
+  anything else, whose type is then named. DEFORMABLE_DETR_TRACEBACK=1 adds the traceback;
+- a `CommandError` carries its own status (a training run stopped by a signal: 128 + its number).
+
+The errors:
 
 - `UsageError`: what the user typed is wrong (an argument, a config file, key or value): exit 2;
 - `CommandError`: a failure of the work, with its exit status (1, or 128 + a signal's number);
@@ -7,11 +21,16 @@
 
 `install_hint(extra)` is the pip command that installs an extra where the package runs from."""
 
+import argparse
+import functools
 import os
 import re
+import sys
+import traceback
 from pathlib import Path
 
 DISTRIBUTION = "deformable-detr-mlx"
+TRACEBACK_VARIABLE = "DEFORMABLE_DETR_TRACEBACK"
 PACKAGE_DIR = Path(__file__).resolve().parent  # deformable_detr/: a checkout's pyproject.toml is beside it
 
 
@@ -42,6 +61,45 @@ class WriteError(CommandError):
     def __init__(self, path, reason: str):
         super().__init__(f"{path}: cannot write it: {reason}")
         self.path, self.reason = path, reason
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, whose errors are UsageErrors: one line, exit status 2."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def entry_point(main):
+    """`@entry_point` on a command's `main(argv=None)`."""
+
+    @functools.wraps(main)
+    def command(argv=None):
+        try:
+            return main(argv)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as error:  # noqa: BLE001  (the one place every command's errors end)
+            message, status = one_line(error)
+            if os.environ.get(TRACEBACK_VARIABLE) == "1":
+                traceback.print_exc()
+            if status == 1:
+                raise SystemExit(f"error: {message}") from None
+            print(f"error: {message}", file=sys.stderr)
+            raise SystemExit(status) from None
+
+    return command
+
+
+def one_line(error: Exception) -> tuple[str, int]:
+    """-> (the message, the exit status) of what stopped a command."""
+    if isinstance(error, CommandError):
+        message, status = str(error), error.status
+    elif isinstance(error, (FileNotFoundError, ValueError)) and str(error):
+        message, status = str(error), 1
+    else:
+        message, status = f"{type(error).__name__}: {error} (set {TRACEBACK_VARIABLE}=1 for the traceback)", 1
+    return " ".join(message.splitlines()), status
 
 
 def install_hint(extra: str, package_dir: Path | None = None) -> str:

@@ -58,7 +58,7 @@ def write(root, data: dict):
 
 def check(capsys, root, *args, kind="coco") -> tuple[int, list[str], str]:
     """Run the command -> (exit status, stdout's lines stripped, the error line it exits with). A status-1
-    stop is `SystemExit("error: ...")`, which the interpreter prints and exits 1 on (`cli.py`)."""
+    stop is `SystemExit("error: ...")`, which the interpreter prints and exits 1 on (`errors.entry_point`)."""
     status, error = 0, ""
     try:
         main(["--config", str(TINY), *args, f"data.dataset={kind}", f"data.path={root}"])

@@ -11,7 +11,7 @@ from deformable_detr import Detector
 from deformable_detr.data.loader import collate
 from deformable_detr.data.transforms import normalize, resize
 from deformable_detr.errors import UsageError
-from deformable_detr.eval import parse_args as eval_arguments
+from deformable_detr.commands.eval import parse_args as eval_arguments
 from deformable_detr.models import post_process
 from deformable_detr.predict import main as predict_main
 

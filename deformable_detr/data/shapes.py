@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..cli import ArgumentParser, entry_point
+from ..errors import ArgumentParser, entry_point
 
 # Each shape has its own colour family (jittered), on backgrounds of muted colours.
 SHAPES = {

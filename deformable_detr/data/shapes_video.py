@@ -29,8 +29,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..cli import ArgumentParser, entry_point
-from ..errors import CommandError, install_hint
+from ..errors import ArgumentParser, CommandError, entry_point, install_hint
 from .shapes import CATEGORIES, SHAPES, _background, _draw_shape
 
 

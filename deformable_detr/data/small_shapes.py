@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli import ArgumentParser, entry_point
+from ..errors import ArgumentParser, entry_point
 from .shapes import CATEGORIES, make_image
 
 CANVAS = (3000, 2000)  # width, height

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .errors import CommandError, UsageError, install_hint
-from .inference.tracking import TRACKERS, TrackDrawing, check_tracker
+from ..errors import CommandError, UsageError, install_hint
+from ..inference.tracking import TRACKERS, TrackDrawing, check_tracker
 
 
 def _av():

@@ -1,0 +1,81 @@
+"""Export this port's weights to the authors' PyTorch layout or to Hugging Face transformers'.
+
+    python -m deformable_detr.export --to torch MODEL.safetensors OUT.pth [--config FILE]
+    python -m deformable_detr.export --to huggingface MODEL.safetensors DIR [--hf-backbone timm|transformers]
+    python -m deformable_detr.export --to onnx MODEL.safetensors OUT.onnx [--size H W] [--postprocess]
+        [--batch-size N] [--sampler gather|grid_sample]    (deformable_detr/deploy/onnx: the `onnx` extra)
+    python -m deformable_detr.export --to mlx MODEL.safetensors OUT.mlxfn [--size H W] [--postprocess]
+        [--batch-size N]    (deformable_detr/deploy/mlxfn.py: mx.export_function, for mlx-c / mlx-swift)
+
+`--to huggingface` writes DIR/config.json (the variant, `id2label` from the category names),
+preprocessor_config.json (the resize and normalisation) and model.safetensors in the layout of the
+Hub's SenseTime checkpoints, for `DeformableDetrForObjectDetection.from_pretrained(DIR)` and
+transformers' pipelines; checked, as below, to convert back unchanged.
+
+MODEL is converted weights (`deformable_detr.convert`) or a training checkpoint (`train.py`). OUT
+is `{"model": state_dict, "args": Namespace}` as the authors' `main.py` saves it: their key names,
+convolutions OIHW, and the tied keys restored (without box refinement one `class_embed` /
+`bbox_embed` repeated for every decoder layer; the decoder's references to the top-level heads with
+refinement or two-stage). `args` holds the model options the keys cannot show (heads, points, DC5),
+from the checkpoint's config or `--config`. Before writing, the export converts its own result back
+and checks that every tensor comes back unchanged. Needs PyTorch (the `convert` extra).
+Built on `Detector.export`.
+"""
+
+from pathlib import Path
+
+from ..errors import UsageError, entry_point
+from ..inference.detector import Detector
+from .cli import command_parser
+
+
+@entry_point
+def main(argv=None):
+    parser = command_parser("export", __doc__)
+    parser.add_argument(
+        "--to", choices=["torch", "huggingface", "onnx", "mlx"], required=True, help="the target layout"
+    )
+    parser.add_argument("src", help="converted weights or a training checkpoint (.safetensors), or hf://ORG/NAME")
+    parser.add_argument(
+        "dst", type=Path, help="the .pth (torch), .onnx or .mlxfn file to write, or the folder (huggingface)"
+    )
+    parser.add_argument("--config", type=Path, help="the model's config, where the weights do not record it")
+    parser.add_argument(
+        "--hf-backbone",
+        choices=["timm", "transformers"],
+        default="timm",
+        help="huggingface: the ResNet under timm's names as the Hub's SenseTime models (from_pretrained needs timm), "
+        "or transformers' own ResNet (any width; no DC5)",
+    )
+    parser.add_argument(
+        "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
+    )
+    parser.add_argument(
+        "--size", type=int, nargs=2, metavar=("H", "W"), help="onnx, mlx: the canvas (default: val_size x max_size)"
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="onnx, mlx: images a run (the file's static batch)")
+    parser.add_argument(
+        "--postprocess",
+        action="store_true",
+        help="onnx, mlx: take target_sizes, return the top-100 scores, labels, boxes",
+    )
+    parser.add_argument(
+        "--sampler", choices=["gather", "grid_sample"], default="gather", help="onnx: the attention's bilinear sampler"
+    )
+    args = parser.parse_args(argv)
+    canvas = dict(size=args.size, batch_size=args.batch_size, postprocess=args.postprocess)
+    if args.to not in ("onnx", "mlx") and (args.size or args.postprocess or args.batch_size != 1):
+        raise UsageError(f"--size, --batch-size and --postprocess are for --to onnx or mlx, not --to {args.to}")
+    if args.to != "onnx" and args.sampler != "gather":
+        why = " (an .mlxfn file samples with MLX's gathers)" if args.to == "mlx" else ""
+        raise UsageError(f"--sampler is for --to onnx, not --to {args.to}{why}")
+    if args.to != "huggingface" and args.hf_backbone != "timm":
+        raise UsageError(f"--hf-backbone is for --to huggingface, not --to {args.to}")
+    detector = Detector.load(args.src, args.config, raw_weights=args.raw_weights)
+    options = {"hf_backbone": args.hf_backbone} if args.to == "huggingface" else {}
+    options = {**canvas, "sampler": args.sampler} if args.to == "onnx" else canvas if args.to == "mlx" else options
+    print(detector.export(args.to, args.dst, **options))
+
+
+if __name__ == "__main__":
+    main()
