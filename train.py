@@ -1,4 +1,5 @@
-"""Train Deformable DETR: `deformable_detr/commands/train.py` (also `deformable-detr train`, `python -m deformable_detr.train`).
+"""Train Deformable DETR: `deformable_detr/commands/train.py` (also `deformable-detr train`,
+`python -m deformable_detr.train`).
 
 python train.py --config configs/r50.yaml [--output-dir DIR] [--resume [CKPT] | --overwrite]
                 [--eval-only] [--weights W | --finetune W] [section.key=value ...]

@@ -14,6 +14,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 COLORS = [(238, 119, 51), (0, 119, 187), (0, 153, 136), (204, 51, 17), (51, 187, 238), (238, 51, 119)]
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def cpu_model(count: bool = False) -> str:
@@ -57,6 +58,41 @@ def sides_lines(title: str, times: dict, agreement: str) -> list[str]:
     for side, seconds in (("ours", ours), ("MLX's ops", theirs)):
         lines.append(f"- {side}: {seconds:.3f} s (each round: {', '.join(f'{t:.2f}' for t in times[side])})")
     return lines + [f"- ratio MLX's ops / ours: {theirs / ours:.2f}; {agreement}"]
+
+
+def bench_parser(doc: str, size: str, output: str, repeats: int, image: str = "the images", repeats_help=None):
+    """A benchmark's parser with the arguments they share: --size HxW of `image`, --repeats, --output (default
+    bench/results/`output`); its description, the first paragraph of `doc`. (deformable_detr: imported here, after
+    the script's own first import of it, which sets up MLX's BLAS.)"""
+    from deformable_detr.errors import ArgumentParser
+
+    parser = ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--size", type=image_sizes, default=size, help=f"HxW of {image}")
+    parser.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
+    parser.add_argument("--output", type=Path, default=RESULTS / output)
+    return parser
+
+
+def sides_report(args, timed, what: str, outputs: str, pairs: list) -> str:
+    """An ours-against-MLX's-ops report, printed and written to args.output: sides_header; the alternating
+    comparison `timed(size, repeats)` -> (times, whether the `outputs` are bit for bit the same) at args.size and
+    args.repeats, titled `what`; then each of `pairs`, (title, (their label, ours), timing() -> (theirs, ours,
+    the same)): a blank line, the title, each way's median in ms, the ratio and whether they agree; last, the load
+    average."""
+    lines, size = sides_header(), args.size[0]
+    times, same = timed(size, args.repeats)
+    title = f"{what}, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):"
+    lines += sides_lines(title, times, f"{outputs} bit for bit the same: {same}")
+    for title, (theirs_label, ours_label), timing in pairs:
+        theirs, ours, same = timing()
+        lines += [
+            "",
+            title,
+            f"{theirs_label} {theirs * 1e3:.1f} ms; {ours_label} {ours * 1e3:.1f} ms (ratio {theirs / ours:.2f}); "
+            f"bit for bit the same: {same}",
+        ]
+    lines.append(f"\nload average at the end: {load_average()}")
+    return report(lines, args.output)
 
 
 def median_time(run, repeats: int) -> float:

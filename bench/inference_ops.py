@@ -21,13 +21,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then calls, and sets glibc's malloc)
 import kernels  # noqa: E402
-from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
+from deformable_detr.errors import entry_point  # noqa: E402
 from deformable_detr.models import linear, position_encoding, precision, recompute  # noqa: E402
 from kernels.channel_affine import with_mlx_ops as channel_affine_with_mlx_ops  # noqa: E402
 from kernels.sin_cos import with_mlx_ops as sin_cos_with_mlx_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from common import image_sizes, load_average, median_time, report, sides_header, sides_lines  # noqa: E402
+from common import bench_parser, median_time, sides_report  # noqa: E402
 from model import ours_setup  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def inference_times(size, repeats) -> tuple[dict, bool]:
     return times, same
 
 
-def locations_times(repeats) -> tuple[float, float, bool]:
+def locations_times(repeats: int = 10) -> tuple[float, float, bool]:
     """The encoder's sampling locations at 800 x 1066 (batch 1, 17,821 queries), both forms."""
     shapes = ((100, 134), (50, 67), (25, 34), (13, 17))
     b, q, heads, levels, points = 1, sum(h * w for h, w in shapes), 8, 4, 4
@@ -96,7 +96,7 @@ def locations_times(repeats) -> tuple[float, float, bool]:
     return first, second, mx.array_equal(natural(), rows()).item()
 
 
-def position_encoding_times(repeats) -> tuple[float, float, bool]:
+def position_encoding_times(repeats: int = 10) -> tuple[float, float, bool]:
     """PositionEmbeddingSine of the four levels at 800 x 1066, with MLX's sin and cos and with sin_cos."""
     encoding = position_encoding.PositionEmbeddingSine(128)
     masks = [mx.zeros((1, h, w), dtype=mx.bool_) for h, w in ((100, 134), (50, 67), (25, 34), (13, 17))]
@@ -112,32 +112,15 @@ def position_encoding_times(repeats) -> tuple[float, float, bool]:
 
 @entry_point
 def main(argv=None):
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=image_sizes, default="800x1066", help="HxW of the image")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (each runs both sides)")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "inference_ops_cpu.txt")
-    args = parser.parse_args(argv)
-    size = args.size[0]
-    lines = sides_header()
-    times, same = inference_times(size, args.repeats)
-    title = f"R50 inference, batch 1, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):"
-    lines += sides_lines(title, times, f"outputs bit for bit the same: {same}")
-    natural, rows, same = locations_times(10)
-    lines += [
-        "",
-        "MSDeformAttn's sampling locations, encoder at 800x1066 (1 x 17,821 x 8 x 4 x 4 x 2), median of 10:",
-        f"- broadcasts in their natural shapes: {natural * 1e3:.1f} ms; on rows of levels x points x 2: "
-        f"{rows * 1e3:.1f} ms (ratio {natural / rows:.2f}); bit for bit the same: {same}",
+    rounds = "timed rounds (each runs both sides)"
+    args = bench_parser(__doc__, "800x1066", "inference_ops_cpu.txt", 5, "the image", rounds).parse_args(argv)
+    locations = "MSDeformAttn's sampling locations, encoder at 800x1066 (1 x 17,821 x 8 x 4 x 4 x 2), median of 10:"
+    sines = "PositionEmbeddingSine of the four levels at 800x1066 (4.56 M sines and cosines), median of 10:"
+    pairs = [
+        (locations, ("- broadcasts in their natural shapes:", "on rows of levels x points x 2:"), locations_times),
+        (sines, ("- mx.sin and mx.cos:", "kernels.sin_cos:"), position_encoding_times),
     ]
-    theirs, ours, same = position_encoding_times(10)
-    lines += [
-        "",
-        "PositionEmbeddingSine of the four levels at 800x1066 (4.56 M sines and cosines), median of 10:",
-        f"- mx.sin and mx.cos: {theirs * 1e3:.1f} ms; kernels.sin_cos: {ours * 1e3:.1f} ms (ratio "
-        f"{theirs / ours:.2f}); bit for bit the same: {same}",
-        f"\nload average at the end: {load_average()}",
-    ]
-    report(lines, args.output)
+    sides_report(args, inference_times, "R50 inference, batch 1", "outputs", pairs)
 
 
 if __name__ == "__main__":

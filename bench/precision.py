@@ -19,10 +19,10 @@ import resource
 import sys
 from pathlib import Path
 
-from deformable_detr.errors import ArgumentParser, entry_point
+from deformable_detr.errors import entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, image_sizes, measured, median_time, report  # noqa: E402
+from common import bench_parser, cpu_model, measured, median_time, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,10 +68,7 @@ def measure(precision: str, size: tuple[int, int], repeats: int, steps: int = 0)
 
 @entry_point
 def main(argv=None):
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=image_sizes, default="800x1066", help="HxW of the images")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "precision_cpu.txt")
+    parser = bench_parser(__doc__, "800x1066", "precision_cpu.txt", 1)
     parser.add_argument("--steps", type=int, default=0, help="then this many steps: the loss trajectories")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -20,13 +20,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import deformable_detr  # noqa: E402, F401  (first: it loads the BLAS MLX then calls, and sets glibc's malloc)
 import kernels  # noqa: E402
-from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
+from deformable_detr.errors import entry_point  # noqa: E402
 from deformable_detr.models import recompute  # noqa: E402
 from deformable_detr.training.trainer import seed_step  # noqa: E402
 from kernels.masked_scale import masked_scale_with_mlx_ops, scale_where_positive_with_mlx_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from common import image_sizes, load_average, median_time, report, sides_header, sides_lines  # noqa: E402
+from common import bench_parser, median_time, sides_report  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from model import ours_setup  # noqa: E402
 
@@ -55,7 +55,7 @@ def step_times(size, repeats) -> tuple[dict, bool]:
     return times, same
 
 
-def ffn_times(repeats) -> tuple[float, float, bool]:
+def ffn_times(repeats: int = 10) -> tuple[float, float, bool]:
     """Dropout after the FFN's ReLU, forward and gradient, on (2 x 7320, 1024): MLX's ops, then ours; each
     less the x + 0 and g + 0 copies that give it buffers to take over (as in the step), timed alone."""
     shape, scale = (2 * 7320, 1024), 65536 / 58982
@@ -81,25 +81,11 @@ def ffn_times(repeats) -> tuple[float, float, bool]:
 
 @entry_point
 def main(argv=None):
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=image_sizes, default="512x683", help="HxW of the images")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (each runs both sides)")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "step_ops_cpu.txt")
-    args = parser.parse_args(argv)
-    size = args.size[0]
-    lines = sides_header()
-    times, same = step_times(size, args.repeats)
-    title = f"R50 training step, micro-batch 2, {size[0]}x{size[1]} ({args.repeats} alternating rounds, median):"
-    lines += sides_lines(title, times, f"loss and gradients bit for bit the same: {same}")
-    theirs, ours, same = ffn_times(10)
-    lines += [
-        "",
-        "Dropout after an encoder FFN's ReLU at 512x683, (2 x 7320, 1024), forward and gradient, median of 10",
-        f"(less the input copies): MLX's ops {theirs * 1e3:.1f} ms; ours {ours * 1e3:.1f} ms (ratio "
-        f"{theirs / ours:.2f}); bit for bit the same: {same}",
-    ]
-    lines.append(f"\nload average at the end: {load_average()}")
-    report(lines, args.output)
+    rounds = "timed rounds (each runs both sides)"
+    args = bench_parser(__doc__, "512x683", "step_ops_cpu.txt", 3, repeats_help=rounds).parse_args(argv)
+    dropout = "Dropout after an encoder FFN's ReLU at 512x683, (2 x 7320, 1024), forward and gradient, median of 10"
+    pairs = [(dropout, ("(less the input copies): MLX's ops", "ours"), ffn_times)]
+    sides_report(args, step_times, "R50 training step, micro-batch 2", "loss and gradients", pairs)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from deformable_detr.errors import ArgumentParser, entry_point
+from deformable_detr.errors import entry_point
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import image_sizes, measured, report  # noqa: E402
+from common import bench_parser, measured, report  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("backbone", "encoder", "decoder and heads", "matching and losses", "backward", "optimizer")
 
 
@@ -118,10 +117,7 @@ def timed_parts(checkpointing: bool, size: tuple[int, int], repeats: int) -> dic
 
 @entry_point
 def main(argv=None):
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=image_sizes, default="512x683", help="HxW of the images")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "step_parts_cpu.txt")
+    parser = bench_parser(__doc__, "512x683", "step_parts_cpu.txt", 2)
     parser.add_argument("--measure", choices=["off", "on"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     size = args.size[0]

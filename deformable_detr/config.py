@@ -21,6 +21,7 @@ import yaml
 from .errors import UsageError
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # the shipped configs (a checkout's configs/ links here)
+EXIF_FRAMES = ("auto", "displayed", "stored")  # data.exif_orientation's choices (data/images.py reads by them)
 
 
 @dataclass
@@ -101,7 +102,7 @@ class DataConfig:
     skip_bad_images: bool = False  # False: a missing or unreadable image stops with its path
     # the frame of EXIF-tagged photos (deformable_detr/data/images.py): auto (YOLO: as displayed; COCO,
     # VOC: the frame whose size the annotations record, as stored where both are equal) | displayed | stored
-    exif_orientation: str = field(default="auto", metadata={"choices": ("auto", "displayed", "stored")})
+    exif_orientation: str = field(default="auto", metadata={"choices": EXIF_FRAMES})
 
 
 @dataclass
@@ -249,14 +250,25 @@ def config_file(name_or_path) -> Path:
     raise UsageError(f"config file not found: {path} (a path, or a shipped config: {', '.join(shipped_configs())})")
 
 
-def _read_yaml(path: Path) -> dict:
-    path = config_file(path)
+def read_yaml(path: Path):
+    """The YAML value in `path`; not YAML: a ValueError naming the file, line and column. The one YAML
+    reader: config files (as UsageErrors) and YOLO's data.yaml (`data/files.py`)."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text, so not YAML (byte {error.start})") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise UsageError(f"{path}{where}: not valid YAML ({_problem(error)})") from None
+        raise ValueError(f"{path}{where}: not valid YAML ({_problem(error)})") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    path = config_file(path)
+    try:
+        data = read_yaml(path) or {}
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
     return data

@@ -73,8 +73,3 @@ def _problem(fused, reference, inputs, dtype) -> str | None:
         if error > TOLERANCE.get(dtype, 1e-4):
             return f"{part} differs from the MLX-ops path's by {error:.2g} of its largest value"
     return None
-
-
-def forget():
-    """Drop every verdict (tests)."""
-    _verdicts.clear()

@@ -7,8 +7,7 @@ import json
 from deformable_detr import Detector
 from deformable_detr.data.loader import collate
 from deformable_detr.data.transforms import normalize, resize
-from deformable_detr.inference.detector import same_size_groups
-from deformable_detr.inference.inputs import WAITING_BATCHES, opened_batches
+from deformable_detr.inference.inputs import WAITING_BATCHES, grouped, opened_batches
 from deformable_detr.models import post_process
 from deformable_detr.predict import main as predict_main
 
@@ -118,11 +117,11 @@ def test_batch_key_is_the_size_the_model_sees(detector):
     assert [detector.batch_key(Image.new("RGB", size)) for size in SIZES] == [(64, 64), (48, 64), (51, 63)]
 
 
-def test_same_size_groups_keep_input_order_within_and_between():
+def test_groups_keep_input_order_within_and_between():
     sizes = ["a", "b", "a", "c", "a", "b", "a"]
-    assert same_size_groups(sizes, str) == [[0, 2, 4, 6], [1, 5], [3]]
-    assert same_size_groups(sizes, str, batch_size=3) == [[0, 2, 4], [6], [1, 5], [3]]
-    assert same_size_groups([], str) == []
+    # all at once (`detect`'s list: a batch as large as the list), one group per key in order of its first
+    assert list(grouped(range(len(sizes)), sizes.__getitem__, len(sizes))) == [[0, 2, 4, 6], [1, 5], [3]]
+    assert list(grouped([], str, 1)) == []
 
 
 def test_opened_batches_by_key_leave_full_or_when_too_many_wait():
@@ -137,9 +136,3 @@ def test_opened_batches_by_key_leave_full_or_when_too_many_wait():
     # past WAITING_BATCHES x batch_size waiting images, the group of the oldest leaves short
     keys = "abcdefghij"[: WAITING_BATCHES * 2 + 1]
     assert batches(keys, 2)[0] == [(0, "a")]
-    # without a key: input order, full batches
-    assert [[o for o, _, _ in b] for b in opened_batches([(None, k) for k in "abcab"], 2, None)] == [
-        [0, 1],
-        [2, 3],
-        [4],
-    ]

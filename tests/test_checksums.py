@@ -162,7 +162,7 @@ def inference_command(name: str, checkpoint, shapes, tmp_path) -> list[str]:
         return module + ["--checkpoint", str(checkpoint), "--output-dir", str(tmp_path / "predictions"), str(image)]
     if name == "serve":
         return module + ["--checkpoint", str(checkpoint), "--port", "0"]
-    return module + ["--to", "mlx", str(checkpoint), str(tmp_path / "model.mlxfn")]
+    return module + ["--to", "mlx", "--checkpoint", str(checkpoint), str(tmp_path / "model.mlxfn")]
 
 
 @pytest.mark.parametrize("name", ["eval", "predict", "serve", "export"])

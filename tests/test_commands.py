@@ -85,10 +85,10 @@ def cases(data, tmp):
         "eval unparsable YAML": (EVAL, ["--config", str(broken), *weights], 2, unparsable),
         "eval missing weights": (EVAL, [*config, *weights], 1, missing_weights),
         "eval bad argument": (EVAL, [*config, *weights, "--batch-size", "two"], 2, "--batch-size: invalid int"),
-        "predict unknown key": (PREDICT, [*config, *weights, "--set", "schedule.batchsize=4", str(image)], 2, unknown),
+        "predict unknown key": (PREDICT, [*config, *weights, "schedule.batchsize=4", str(image)], 2, unknown),
         "predict wrong type": (
             PREDICT,
-            [*config, *weights, "--set", "schedule.batch_size=abc", str(image)],
+            [*config, *weights, str(image), "schedule.batch_size=abc"],
             2,
             wrong_type,
         ),
@@ -170,10 +170,15 @@ def cases(data, tmp):
             "none.pth: no such file",
         ),
         "convert bad argument": (CONVERT, [str(tmp / "none.pth")], 2, "the following arguments are required: dst"),
-        "export missing weights": (EXPORT, ["--to", "torch", nowhere, str(tmp / "out.pth")], 1, missing_weights),
+        "export missing weights": (
+            EXPORT,
+            ["--to", "torch", "--checkpoint", nowhere, str(tmp / "out.pth")],
+            1,
+            missing_weights,
+        ),
         "export bad argument": (
             EXPORT,
-            ["--to", "tflite", nowhere, str(tmp / "out.pth")],
+            ["--to", "tflite", "--checkpoint", nowhere, str(tmp / "out.pth")],
             2,
             "--to: invalid choice: 'tflite'",
         ),
@@ -237,7 +242,7 @@ def test_bad_input_is_one_line_and_its_exit_status(results, case_name):
 def test_the_traceback_is_there_when_asked_for(tmp_path):
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "DEFORMABLE_DETR_TRACEBACK": "1"}
     done = subprocess.run(
-        [*EXPORT, "--to", "torch", str(tmp_path / "none.safetensors"), str(tmp_path / "out.pth")],
+        [*EXPORT, "--to", "torch", "--checkpoint", str(tmp_path / "none.safetensors"), str(tmp_path / "out.pth")],
         capture_output=True,
         text=True,
         env=environment,

@@ -10,12 +10,13 @@ from deformable_detr.check import main as check_main
 from deformable_detr.data import build_dataset, num_classes_for
 from deformable_detr.data.classes import match_classes, to_dataset_classes
 from deformable_detr.data.shapes import CATEGORIES, generate
-from deformable_detr.inference.evaluation import STAT_NAMES, coco_stats
+from deformable_detr.inference.evaluation import STAT_NAMES
 
 import numpy as np
 import pytest
 from dataset_writers import write_createml
 from PIL import Image
+from test_evaluate import coco_stats
 from test_formats import SIZES, assert_same_targets, by_class_name, data_cfg, jittered_detections
 from test_train import TINY
 

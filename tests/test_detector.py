@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 from deformable_detr import Detector
+from deformable_detr.commands.eval import parse_args as eval_arguments
 from deformable_detr.data.loader import collate
 from deformable_detr.data.transforms import normalize, resize
 from deformable_detr.errors import UsageError
-from deformable_detr.commands.eval import parse_args as eval_arguments
 from deformable_detr.models import post_process
 from deformable_detr.predict import main as predict_main
 
@@ -138,8 +138,8 @@ def test_skip_unreadable_returns_every_readable_image(trained, detector, tmp_pat
     good = a_folder_with_unreadable_files(root, tmp_path / "photos")
     alone = detector.predict(good, threshold=0.02, batch_size=2)
     forwards = []  # the images of each forward: the unreadable ones leave no gap in a batch
-    detect = detector.detect
-    monkeypatch.setattr(detector, "detect", lambda images, *rest: forwards.append(len(images)) or detect(images, *rest))
+    run = detector._forward
+    monkeypatch.setattr(detector, "_forward", lambda images, *rest: forwards.append(len(images)) or run(images, *rest))
     with pytest.warns(UserWarning) as warned:
         results = detector.predict(tmp_path / "photos", threshold=0.02, batch_size=2, skip_unreadable=True)
     assert forwards == [2]

@@ -5,7 +5,7 @@ import io
 import json
 
 from deformable_detr.data.shapes import generate
-from deformable_detr.inference.evaluation import PER_CLASS_NAMES, STAT_NAMES, coco_stats
+from deformable_detr.inference.evaluation import PER_CLASS_NAMES, STAT_NAMES, coco_evaluator, summary
 from deformable_detr.predict import main as predict_main
 
 import numpy as np
@@ -14,6 +14,12 @@ from test_train import TINY
 
 import eval as eval_script
 import train
+
+
+def coco_stats(coco_gt, detections: list, verbose: bool = True, backend: str = "auto") -> dict:
+    """The 12 numbers by name and "per_class" of `detections` (COCO's results format) on `coco_gt`, a
+    pycocotools COCO: evaluation's evaluator and summary, as `score_detections` has them of a dataset."""
+    return summary(coco_evaluator(coco_gt, detections, verbose, backend), coco_gt)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +99,7 @@ def test_predict_draws_and_names_bad_images(trained, tmp_path, capsys):
         str(tmp_path),
         "--threshold",
         "0.0",
-        "--set",
-        "model.num_queries=20",
+        "model.num_queries=20",  # a config override, among the inputs
     ]
     with pytest.raises(SystemExit, match=f"error: {tmp_path / 'nothing.png'}: no such image file"):
         predict_main([*args, str(image), str(tmp_path / "nothing.png")])

@@ -34,7 +34,7 @@ def test_convert_then_export_gives_back_every_key_and_value(variant, tmp_path):
     save_converted(tmp_path / "port.safetensors", weights, options, tmp_path / "authors.pth")
     assert len(weights) < len(original)  # the tied copies were dropped
 
-    main(["--to", "torch", str(tmp_path / "port.safetensors"), str(tmp_path / "exported.pth")])
+    main(["--to", "torch", "--checkpoint", str(tmp_path / "port.safetensors"), str(tmp_path / "exported.pth")])
 
     exported = load_pth(tmp_path / "exported.pth")["model"]
     assert sorted(exported) == sorted(original)
@@ -81,7 +81,7 @@ def test_bad_inputs_are_named_and_nothing_is_written(tmp_path, capsys):
     }
     for name, message in cases.items():
         with pytest.raises(SystemExit) as exit_info:
-            main(["--to", "torch", str(tmp_path / name), str(tmp_path / "out.pth")])
+            main(["--to", "torch", "--checkpoint", str(tmp_path / name), str(tmp_path / "out.pth")])
         assert str(exit_info.value).startswith(f"error: {tmp_path / name}: {message}")
         assert not (tmp_path / "out.pth").exists()
     with pytest.raises(FileNotFoundError, match="missing.safetensors: no such file"):

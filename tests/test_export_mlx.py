@@ -159,7 +159,7 @@ def test_export_mode_writes_kernels_ops_that_import_and_match(tmp_path):
 def test_command_writes_the_file_after_checking_it(tmp_path, capsys):
     path, model = small_checkpoint(tmp_path)
     out = tmp_path / "model.mlxfn"
-    main(["--to", "mlx", str(path), str(out), "--size", "96", "128", "--postprocess"])
+    main(["--to", "mlx", "--checkpoint", str(path), str(out), "--size", "96", "128", "--postprocess"])
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"wrote {out}: ") and "canvas 96 x 128, batch 1" in line
     assert "outputs scores, labels, boxes; mx.import_function in a process with only mlx: its scores and boxes" in line
@@ -177,7 +177,7 @@ def test_a_failed_check_leaves_no_file(tmp_path, monkeypatch):
     monkeypatch.setattr(mlxfn, "TOLERANCE", -1.0)  # no difference passes: the check must fail
     out = tmp_path / "model.mlxfn"
     with pytest.raises(SystemExit, match=rf"^error: {out}: mx.import_function .* over -1: the export is wrong") as stop:
-        main(["--to", "mlx", str(path), str(out), "--size", "64", "64"])
+        main(["--to", "mlx", "--checkpoint", str(path), str(out), "--size", "64", "64"])
     assert "\n" not in str(stop.value.code)
     assert not list(tmp_path.glob("model*.mlxfn"))
 
@@ -193,10 +193,10 @@ def test_a_failed_check_leaves_no_file(tmp_path, monkeypatch):
 def test_bad_input_is_one_line(tmp_path, capsys, options, message):
     path, _ = small_checkpoint(tmp_path)
     with pytest.raises(SystemExit) as stop:
-        main(["--to", "mlx", str(path), str(tmp_path / "model.mlxfn"), *options])
+        main(["--to", "mlx", "--checkpoint", str(path), str(tmp_path / "model.mlxfn"), *options])
     assert stop.value.code == 2
     error = capsys.readouterr().err
     assert message in error and error.count("\n") == 1
     with pytest.raises(SystemExit) as stop:
-        main(["--to", "mlx", str(path), str(tmp_path / "model.bin")])
+        main(["--to", "mlx", "--checkpoint", str(path), str(tmp_path / "model.bin")])
     assert stop.value.code == 2 and "model.bin: an MLX function file's name ends in .mlxfn" in capsys.readouterr().err

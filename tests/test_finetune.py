@@ -196,7 +196,7 @@ def test_predict_names_classes_from_converted_coco_weights(tmp_path, capsys):
     image = generate(tmp_path / "images", 1, 1, seed=2, **SMALL) / "val2017" / "000000000001.png"
     settings = [f"data.coco_path={tmp_path / 'nowhere'}", "model.num_classes=auto", *overrides[1:]]
     argv = ["--config", str(TINY), "--checkpoint", str(tmp_path / "coco.safetensors"), "--output-dir", str(tmp_path)]
-    predict_main([*argv, "--threshold", "0", *(f"--set={s}" for s in settings), str(image)])
+    predict_main([*argv, "--threshold", "0", *settings, str(image)])
     records = json.loads((tmp_path / "000000000001.json").read_text())
     named = [r for r in records if r["label"] in COCO_CATEGORY_NAMES]
     assert len(named) > 50  # 100 detections over 91 outputs, 80 of them categories

@@ -14,12 +14,13 @@ from deformable_detr import load_config
 from deformable_detr.data import build_dataset, num_classes_for
 from deformable_detr.data.classes import describe_match, match_classes, to_dataset_classes
 from deformable_detr.data.shapes import CATEGORIES, generate
-from deformable_detr.inference.evaluation import STAT_NAMES, coco_stats
+from deformable_detr.inference.evaluation import STAT_NAMES
 
 import numpy as np
 import pytest
 from dataset_writers import write_voc, write_yolo
 from PIL import Image
+from test_evaluate import coco_stats
 from test_train import ROOT, TINY
 
 import eval as eval_script

@@ -7,9 +7,10 @@ import json
 from deformable_detr.config import load_config
 from deformable_detr.data import build_dataset
 from deformable_detr.data.ground_truth import box_counts, dropped_line, evaluation_ground_truth, split_summary
-from deformable_detr.inference.evaluation import STAT_NAMES, coco_stats, score_detections
+from deformable_detr.inference.evaluation import STAT_NAMES, score_detections
 
 from PIL import Image
+from test_evaluate import coco_stats
 
 # (image id, category, [x, y, w, h], iscrowd) on three 64 x 48 images; the third's size is not recorded
 ANNOTATIONS = [

@@ -237,7 +237,8 @@ def test_exported_to_huggingface_loads_in_transformers_with_our_outputs(variant,
 
     model, weights = port_model(variant, tmp_path, width=32)  # transformers' ResNet takes any width
     out = tmp_path / "hf"
-    export_main(["--to", "huggingface", "--hf-backbone", "transformers", str(tmp_path / "port.safetensors"), str(out)])
+    port = str(tmp_path / "port.safetensors")
+    export_main(["--to", "huggingface", "--hf-backbone", "transformers", "--checkpoint", port, str(out)])
     hf, loading = transformers.DeformableDetrForObjectDetection.from_pretrained(out, output_loading_info=True)
     assert not any(loading.values()), loading  # no missing, unexpected or mismatched key
     (ours_logits, ours_boxes), (logits, boxes) = outputs_of(hf.eval(), model)

@@ -140,7 +140,7 @@ def test_graph_has_standard_ops_static_shapes_and_ranks_at_most_5(variant, sampl
 def test_command_writes_the_file_after_checking_it(tmp_path, capsys):
     path, model = small_checkpoint(tmp_path)
     out = tmp_path / "model.onnx"
-    main(["--to", "onnx", str(path), str(out), "--size", "96", "128", "--postprocess"])
+    main(["--to", "onnx", "--checkpoint", str(path), str(out), "--size", "96", "128", "--postprocess"])
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"wrote {out}: ") and "canvas 96 x 128, batch 1, outputs scores, labels, boxes" in line
     assert "onnxruntime" in line and "within" in line and "of the largest value of ours" in line
@@ -157,7 +157,7 @@ def test_a_failed_check_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(
         SystemExit, match=rf"^error: {out}: onnxruntime .* over 0: the export is wrong, not written$"
     ) as stop:
-        main(["--to", "onnx", str(path), str(out), "--size", "64", "64"])
+        main(["--to", "onnx", "--checkpoint", str(path), str(out), "--size", "64", "64"])
     assert "\n" not in str(stop.value.code)
     assert not list(tmp_path.glob("model*.onnx"))
 
@@ -166,23 +166,24 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
     path, _ = small_checkpoint(tmp_path)
     out = str(tmp_path / "model.onnx")
     with pytest.raises(SystemExit) as stop:  # two-stage needs num_queries proposals: 12 > 4 tokens
-        main(["--to", "onnx", str(path), out, "--size", "8", "8"])
+        main(["--to", "onnx", "--checkpoint", str(path), out, "--size", "8", "8"])
     assert stop.value.code == 2
     assert "two-stage takes the top 12 of the encoder's proposals, and this canvas gives 4" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
-        main(["--to", "torch", str(path), out, "--postprocess"])
+        main(["--to", "torch", "--checkpoint", str(path), out, "--postprocess"])
     assert stop.value.code == 2 and "are for --to onnx or mlx, not --to torch" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"^image 1: 100 x 50 does not fit the 96 x 128 canvas"):
         pad_to_canvas([np.zeros((10, 10, 3)), np.zeros((100, 50, 3))], CANVAS)
     monkeypatch.setitem(sys.modules, "onnx", None)  # as if the extra were not installed
     with pytest.raises(SystemExit, match=r'needs the onnx package: pip install -e "\.\[onnx\]"$'):
-        main(["--to", "onnx", str(path), out])
+        main(["--to", "onnx", "--checkpoint", str(path), out])
 
 
 def test_without_onnxruntime_the_file_is_written_and_says_it_is_unchecked(tmp_path, monkeypatch, capsys):
     path, model = small_checkpoint(tmp_path, "r50_box_refine")
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
-    main(["--to", "onnx", str(path), str(tmp_path / "model.onnx"), "--size", "64", "96", "--batch-size", "2"])
+    canvas = ["--size", "64", "96", "--batch-size", "2"]
+    main(["--to", "onnx", "--checkpoint", str(path), str(tmp_path / "model.onnx"), *canvas])
     assert capsys.readouterr().out.strip().endswith('not run: onnxruntime is not installed (pip install -e ".[onnx]")')
     monkeypatch.undo()
     images, mask = padded_batch()

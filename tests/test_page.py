@@ -21,6 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from deformable_detr.inference.visualize import LEVEL_COLOURS
 from deformable_detr.weights.files import CLASS_NAMES_KEY, class_names_metadata, open_safetensors, write_safetensors
 
 import pytest
@@ -169,8 +170,7 @@ def assert_heaviest_dot_drawn(page, before: list):
     """The heaviest sampling point's centre: its level's colour at 0.8 over the faded picture."""
     width = state(page, "document.getElementById('canvas').width")
     dot = max(state(page, "window.page.points"), key=lambda p: p["weight"])
-    colour = state(page, f"LEVEL_COLOURS[{dot['level']} % 6]")
-    level_rgb = [int(v) for v in colour[4:-1].split(",")]
+    level_rgb = LEVEL_COLOURS[dot["level"] % len(LEVEL_COLOURS)]  # served by /v1/model: the PNG view's colours
     x, y = int(dot["x"]), int(dot["y"])
     if not (0 <= x < width and 0 <= y < len(before) // 4 // width):
         pytest.skip("the heaviest point is outside the image")  # sampling may reach past the border
@@ -179,7 +179,7 @@ def assert_heaviest_dot_drawn(page, before: list):
     assert after[at : at + 3] != before[at : at + 3]
     # drawn last at alpha 0.8: 0.8 x its colour + 0.2 x whatever lay under it (0..255), channel by channel
     for got, level_channel in zip(after[at : at + 3], level_rgb, strict=True):
-        assert 0.8 * level_channel - 2 <= got <= 0.8 * level_channel + 0.2 * 255 + 2, (after[at : at + 3], colour)
+        assert 0.8 * level_channel - 2 <= got <= 0.8 * level_channel + 0.2 * 255 + 2, (after[at : at + 3], level_rgb)
 
 
 def test_the_page_shows_what_the_server_answered(server, browser_page, tmp_path):

@@ -17,13 +17,18 @@ from edge_cases import ms_inputs, shapes_for
 from gpu_emulator import METAL
 
 
+def forget():
+    """Drops every verdict: the next use of each instance checks itself afresh."""
+    selfcheck._verdicts.clear()
+
+
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    selfcheck.forget()
+    forget()
     monkeypatch.delenv("KERNELS_SELF_CHECK", raising=False)
     monkeypatch.delenv("KERNELS_BACKEND", raising=False)
     yield
-    selfcheck.forget()
+    forget()
 
 
 def with_kernels(monkeypatch, make_kernel=None, wrap=None):
@@ -158,7 +163,7 @@ def test_the_settings_skip_the_check_or_force_a_back_end(monkeypatch, rng):
         unchecked = run()
     assert self_check_warnings(caught) == [] and not np.allclose(unchecked[0], reference[0])  # used as it is
     monkeypatch.delenv("KERNELS_SELF_CHECK")
-    selfcheck.forget()
+    forget()
     monkeypatch.setenv("KERNELS_BACKEND", "metal")  # forced: unchecked too
     assert not np.allclose(run()[0], reference[0])
     monkeypatch.setenv("KERNELS_BACKEND", "mlx")
@@ -201,7 +206,7 @@ def test_the_check_runs_inside_a_differentiated_step_and_a_compiled_one(monkeypa
     def compiler_error(**spec):
         raise RuntimeError("Unable to build metal library from source")
 
-    selfcheck.forget()
+    forget()
     with_kernels(monkeypatch, make_kernel=compiler_error)
     with pytest.warns(KernelSelfCheckWarning, match="it raised RuntimeError: Unable to build metal library"):
         compiled = mx.compile(mx.grad(loss))(value)

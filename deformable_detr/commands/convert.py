@@ -25,8 +25,8 @@ from ..weights.hub import is_hub, snapshot
 from .cli import command_parser
 
 
-@entry_point
-def main(argv=None):
+def build_parser():
+    """convert's parser (docs/commands.md is generated from it)."""
     parser = command_parser("convert", __doc__)
     parser.add_argument(
         "src",
@@ -40,7 +40,12 @@ def main(argv=None):
         action="store_true",
         help="the checkpoint is DC5 (not visible in its keys when the checkpoint has no args)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+@entry_point
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     src = snapshot(args.src) if is_hub(args.src) else Path(args.src)
     weights, options, message = convert(src, backbone_only=args.backbone_only, dilation=args.dilation, source=args.src)
     names, where = save_converted(args.dst, weights, options, src)

@@ -1,7 +1,7 @@
 """Evaluate a checkpoint on the val split with pycocotools (COCO box AP).
 
-    deformable-detr eval --checkpoint W [--config C] [--data-path P] [--batch-size N] [--threshold T]
-                         [--output-dir D] [section.key=value ...]
+    deformable-detr eval --checkpoint W [--config C] [--raw-weights] [--precision P] [--data-path P]
+                         [--batch-size N] [--threshold T] [--output-dir D] [section.key=value ...]
 
 (also `python -m deformable_detr.eval`, or a checkout's `python eval.py`).
 
@@ -18,18 +18,15 @@ from pathlib import Path
 
 from ..errors import entry_point
 from ..inference.confusion import THRESHOLD
-from ..inference.detector import Detector
 from ..inference.evaluation import per_class_table
 from ..weights.hub import is_hub, parse
-from .cli import add_precision, command_parser, say_precision
+from .cli import add_model_arguments, command_parser, load_detector, split_overrides
 
 
-def parse_args(argv=None):
+def build_parser():
+    """eval's parser (docs/commands.md is generated from it)."""
     parser = command_parser("eval", __doc__)
-    parser.add_argument(
-        "--config", help="default: the config the weights record (a checkpoint's, or converted weights')"
-    )
-    parser.add_argument("--checkpoint", required=True, help="a weights file, or hf://ORG/NAME[@REVISION] on the Hub")
+    add_model_arguments(parser, precision="float32")  # AP is a reference number: float32 unless asked
     parser.add_argument(
         "--data-path", "--coco-path", help="where the dataset is (data.path: a folder, or YOLO's data.yaml)"
     )
@@ -40,13 +37,14 @@ def parse_args(argv=None):
         default=THRESHOLD,
         help=f"the confusion matrix counts the detections scoring at least this (default {THRESHOLD}, the pictures')",
     )
-    parser.add_argument("--output-dir", type=Path)
-    parser.add_argument(
-        "--raw-weights", action="store_true", help="the trained weights, not their EMA (where the file has one)"
-    )
-    add_precision(parser, "float32")  # AP is a reference number: float32 unless asked
-    parser.add_argument("overrides", nargs="*", help="section.key=value, as for train.py")
-    return parser.parse_args(argv)
+    parser.add_argument("--output-dir", type=Path, help="default: beside the checkpoint (output/ORG--NAME for hf://)")
+    return parser
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_intermixed_args(argv)  # overrides before and after the options
+    args.overrides = split_overrides(args.overrides)[0]
+    return args
 
 
 def default_output_dir(checkpoint: str) -> Path:
@@ -57,10 +55,7 @@ def default_output_dir(checkpoint: str) -> Path:
 @entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    detector = Detector.load(
-        args.checkpoint, args.config, args.overrides, raw_weights=args.raw_weights, precision=args.precision
-    )
-    say_precision(detector)
+    detector = load_detector(args)
     output_dir = args.output_dir or default_output_dir(args.checkpoint)
     stats = detector.evaluate(
         args.data_path, batch_size=args.batch_size, output_dir=output_dir, verbose=True, threshold=args.threshold

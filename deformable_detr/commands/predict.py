@@ -1,10 +1,12 @@
 """Detect objects in images and videos and draw them; show where the model looks.
 
-    python -m deformable_detr.predict --checkpoint W [--config C] [--threshold 0.5] [--output-dir D]
-        [--batch-size N] [--attention [--attention-layer N]] [--encoder-pixel X,Y] [--skip-unreadable]
-        [--slice W,H [--overlap 0.2]] [--track [TRACKER]] [--set section.key=value ...] INPUT...
+    deformable-detr predict --checkpoint W [--config C] [--raw-weights] [--precision P] [--threshold 0.5]
+        [--output-dir D] [--batch-size N] [--attention [--attention-layer N]] [--encoder-pixel X,Y]
+        [--skip-unreadable] [--slice W,H [--overlap 0.2]] [--track [TRACKER]] INPUT... [section.key=value ...]
 
-An INPUT is an image, a folder (its images), a glob ('photos/*.jpg') or a video (the `video` extra).
+(also `python -m deformable_detr.predict`). An INPUT is an image, a folder (its images), a glob
+('photos/*.jpg') or a video (the `video` extra); a config override `section.key=value` may stand
+before, among or after them (a path that exists is an INPUT).
 For each image writes D/<stem>.png (boxes, class names, scores) and D/<stem>.json (each detection at or
 above the threshold: label, name, score, box x0, y0, x1, y1 in pixels, the decoder query:
 `Detections.to_json()`); with --attention, D/<stem>.attention.png and each detection's sampling points
@@ -33,11 +35,11 @@ from tqdm import tqdm
 
 from ..errors import UsageError, entry_point
 from ..inference.detector import Detections, Detector
-from ..inference.inputs import VIDEO_SUFFIXES, displayed_size, find_inputs, opened_batches
+from ..inference.inputs import VIDEO_SUFFIXES, Unreadable, displayed_size, find_inputs
 from ..inference.slicing import OVERLAP, check_slice, parse_slice, supervision
 from ..inference.tracking import TRACKERS
 from ..inference.visualize import draw_sampling_points, grid
-from .cli import add_precision, command_parser, say_precision
+from .cli import add_model_arguments, command_parser, load_detector, model_config, note_old_spelling, split_overrides
 from .predict_video import bare_track, check_video_arguments, predict_video
 
 ATTENTION_PANELS = 6  # the top detections drawn in <stem>.attention.png
@@ -54,16 +56,12 @@ def unique_stems(paths: list[Path]) -> list[Path]:
 
 
 def readable_images(paths: list[Path], skip: bool, encoder_pixel) -> list[Path]:
-    """The images whose header reads (an unreadable one: an error, or named and left out with `skip`),
-    each checked to hold the encoder pixel, before any work."""
-    kept = []
+    """The images whose header reads (an unreadable one: an error, or named and left out with `skip`: the
+    skip-unreadable rule, inputs.Unreadable), each checked to hold the encoder pixel, before any work."""
+    unreadable, kept = Unreadable(skip, "--skip-unreadable", print), []
     for path in paths:
-        try:
-            size = displayed_size(path)
-        except ValueError as error:
-            if not skip:
-                raise ValueError(f"{error}; --skip-unreadable leaves such images out") from None
-            print(f"skipped: {error}")
+        size = unreadable.read(path, displayed_size)
+        if size is None:
             continue
         if encoder_pixel and not (0 <= encoder_pixel[0] < size[0] and 0 <= encoder_pixel[1] < size[1]):
             x, y = encoder_pixel
@@ -123,31 +121,21 @@ def write_outputs(path: Path, image: Image.Image, result: Detections, args, laye
     return line
 
 
-def loaded_batches(paths: list[Path], batch_size: int, skip: bool, bar, key=None):
-    """Batches of (order, path, image), of one `key` each (`Detector.batch_key`: the batching rule);
-    an image that does not load stops the run, or with `skip` is named and left out (its place filled
-    by the next)."""
-
-    def unreadable(path, error):
-        if not skip:
-            raise type(error)(f"{error}; --skip-unreadable leaves such images out") from None
-        bar.write(f"skipped: {error}")
-        bar.update()
-
-    return opened_batches([(path, None) for path in paths], batch_size, unreadable, key)
-
-
 def predict_images(detector: Detector, paths: list[Path], args, layers: tuple):
     done, start = 0, time.perf_counter()
-    options = dict(threshold=args.threshold, batch_size=args.batch_size, encoder_pixel=args.encoder_pixel)
-    options |= dict(attention=args.attention, attention_layer=layers[0], slice=args.slice, overlap=args.overlap)
-    images_a_batch = 1 if args.slice else args.batch_size  # sliced: the batches are of one image's slices
+    looking = (layers[0] if args.attention else None, args.encoder_pixel)
+    sliced = None if args.slice is None else check_slice(args.slice, args.overlap)
     with tqdm(total=len(paths), unit="image", desc="predict") as bar:
-        # batches of one resized size, as Detector.predict's: the results of --batch-size 1
-        for batch in loaded_batches(paths, images_a_batch, args.skip_unreadable, bar, detector.batch_key):
-            results = detector.predict([image for _, _, image in batch], **options)
-            for (_, path, image), result in zip(batch, results, strict=True):
-                bar.write(write_outputs(path, image, result, args, layers))
+
+        def skipped(message: str) -> None:  # an image that does not load (--skip-unreadable): named, counted
+            bar.write(message)
+            bar.update()
+
+        unreadable = Unreadable(args.skip_unreadable, "--skip-unreadable", skipped)
+        # Detector.predict's batches (one resized size a forward): the results of --batch-size 1
+        for batch in detector.predict_batches(paths, unreadable, args.threshold, args.batch_size, looking, sliced):
+            for _, image, result in batch:
+                bar.write(write_outputs(result.path, image, result, args, layers))
             bar.update(len(batch))
             done += len(batch)
     seconds = time.perf_counter() - start
@@ -162,12 +150,10 @@ def pixel(text: str) -> tuple[float, float]:
     return x, y
 
 
-def parse_args(argv=None):
+def build_parser():
+    """predict's parser (docs/commands.md is generated from it)."""
     parser = command_parser("predict", __doc__)
-    parser.add_argument(
-        "--config", help="default: the config the weights record (a checkpoint's, or converted weights')"
-    )
-    parser.add_argument("--checkpoint", required=True, help="a weights file, or hf://ORG/NAME[@REVISION] on the Hub")
+    add_model_arguments(parser, precision="auto", overrides=False)  # the overrides: among the INPUTs
     parser.add_argument("--threshold", type=float, default=0.5, help="keep detections scoring at least this")
     parser.add_argument("--output-dir", type=Path, default=Path("predictions"))
     parser.add_argument(
@@ -182,8 +168,8 @@ def parse_args(argv=None):
     parser.add_argument("--skip-unreadable", action="store_true", help="name unreadable images and go on")
     parser.add_argument("--slice", metavar="W,H", help="detect on W x H slices of each image (pixels)")
     parser.add_argument("--overlap", type=float, help=f"of a slice, with --slice (default {OVERLAP})")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    parser.add_argument("--raw-weights", action="store_true", help="the trained weights, not their EMA (where any)")
+    # the old spelling of an override (cli.OLD_SPELLINGS), one release more: not in --help
+    parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument(
         "--track",
         nargs="?",
@@ -191,9 +177,23 @@ def parse_args(argv=None):
         choices=TRACKERS,
         help="videos: an id per object through the frames (default bytetrack; the track extra)",
     )
-    add_precision(parser, "auto")
-    parser.add_argument("inputs", nargs="+", metavar="INPUT")
-    args = parser.parse_args(bare_track(argv))
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="an image, folder, glob or video; or section.key=value, a config override (as in every command)",
+    )
+    return parser
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_intermixed_args(bare_track(argv))  # overrides and inputs in any order
+    overrides, args.inputs = split_overrides(args.inputs, others=True)
+    if args.set:
+        note_old_spelling("predict --set KEY=VALUE")
+    args.overrides = [*split_overrides(args.set)[0], *overrides]
+    if not args.inputs:
+        raise UsageError("no INPUT: an image, folder, glob or video to predict (the rest are config overrides)")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.overlap is not None and args.slice is None:
@@ -211,7 +211,7 @@ def parse_args(argv=None):
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Detector.config_for(args.checkpoint, args.config, args.set)  # bad input is named before any work
+    cfg = model_config(args)  # bad input is named before any work
     decoders = cfg.model.dec_layers
     if not -decoders <= args.attention_layer < decoders:
         raise UsageError(
@@ -228,8 +228,7 @@ def main(argv=None):
             raise UsageError(f"--slice is for images, not videos ({videos[0]})")
         check_video_arguments(videos, args)
     images = readable_images(images, args.skip_unreadable, args.encoder_pixel)
-    detector = Detector.load(args.checkpoint, cfg, raw_weights=args.raw_weights, precision=args.precision)
-    say_precision(detector)
+    detector = load_detector(args, cfg)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     if images:
         predict_images(detector, images, args, layers)

@@ -1,10 +1,12 @@
 """Serve a model over HTTP: detections as JSON, images of concurrent requests run as one batch.
 
-    python -m deformable_detr.serve --checkpoint W [--config C] [--host 127.0.0.1] [--port 8000]
-        [--max-batch 8] [--max-wait-ms 10] [--max-queue 64] [--max-body-mb 20] [--max-megapixels 128]
-        [--max-slices 1024] [--read-timeout-s 10] [--shutdown-timeout-s 20]
+    deformable-detr serve --checkpoint W [--config C] [--raw-weights] [--precision P] [--host 127.0.0.1]
+        [--port 8000] [--max-batch 8] [--max-wait-ms 10] [--max-queue 64] [--max-body-mb 20]
+        [--max-megapixels 128] [--max-slices 1024] [--read-timeout-s 10] [--shutdown-timeout-s 20]
+        [section.key=value ...]
 
-W: any weights `Detector.load` takes (a checkpoint, converted weights, hf://ORG/NAME). The routes
+(also `python -m deformable_detr.serve`). W: any weights `Detector.load` takes (a checkpoint, converted
+weights, hf://ORG/NAME); the config overrides are written as in every command. The routes
 (POST /v1/detect, GET /v1/model, /v1/stats, /healthz, the page at /) are deformable_detr/serving/app.py's.
 It listens on this machine alone unless --host says otherwise; there is no authentication. What a client
 can hold is bounded: a connection whose headers are not all in within --read-timeout-s, or whose body
@@ -20,14 +22,13 @@ import signal
 import sys
 
 from ..errors import CommandError, UsageError, entry_point, install_hint
-from ..inference.detector import Detector
-from .cli import add_precision, command_parser, say_precision
+from .cli import add_model_arguments, command_parser, load_detector, split_overrides
 
 
-def parse_args(argv=None):
+def build_parser():
+    """serve's parser (docs/commands.md is generated from it)."""
     parser = command_parser("serve", __doc__)
-    parser.add_argument("--checkpoint", required=True, help="a weights file, or hf://ORG/NAME[@REVISION] on the Hub")
-    parser.add_argument("--config", help="default: the config the weights record")
+    add_model_arguments(parser, precision="auto")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=8, help="images a forward, at most")
@@ -50,8 +51,12 @@ def parse_args(argv=None):
     parser.add_argument(
         "--shutdown-timeout-s", type=float, default=20, help="after SIGTERM, how long requests under way may take"
     )
-    add_precision(parser, "auto")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_intermixed_args(argv)  # overrides before and after the options
+    args.overrides = split_overrides(args.overrides)[0]
     least_ones = [
         ("--max-batch", args.max_batch, 1),
         ("--max-queue", args.max_queue, 1),
@@ -97,8 +102,7 @@ def stop_quietly(signum, frame):
 def main(argv=None):
     args = parse_args(argv)
     uvicorn, create_app, with_header_deadline = server_modules()
-    detector = Detector.load(args.checkpoint, args.config, precision=args.precision)
-    say_precision(detector)
+    detector = load_detector(args)
     app = create_app(
         detector,
         args.max_batch,

@@ -36,7 +36,7 @@ from ..config import load_config
 from ..data import DataLoader, build_dataset, num_classes_for
 from ..data.ground_truth import dropped_line, split_summary, summary_lines
 from ..errors import UsageError, entry_point
-from ..inference.evaluation import evaluate, evaluation_batch_size, per_class_table
+from ..inference.evaluation import evaluate, per_class_table
 from ..models import build_model
 from ..training.engine import Progress, fit
 from ..training.mlflow_run import require_mlflow
@@ -47,10 +47,11 @@ from ..training.trainer import Trainer, process_share
 from ..training.wandb_run import require_wandb
 from ..weights.checkpoint import load_checkpoint
 from ..weights.loading import load_for_finetuning, load_model_weights
-from .cli import command_parser
+from .cli import OVERRIDE_HELP, command_parser, split_overrides
 
 
-def parse_args(argv=None):
+def build_parser():
+    """train's parser (docs/commands.md is generated from it)."""
     parser = command_parser("train", __doc__)
     parser.add_argument("--config", required=True, help="a YAML file, or a shipped config's name (r50, shapes, ...)")
     parser.add_argument("--output-dir", type=Path, help="default: output/<config name>")
@@ -73,7 +74,14 @@ def parse_args(argv=None):
     starts.add_argument("--weights", help="start from these weights (e.g. convert --backbone-only)")
     starts.add_argument("--finetune", help="start from a model with other classes (class heads by name)")
     parser.add_argument("--eval-only", action="store_true", help="evaluate and stop")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. schedule.batch_size=4")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help=f"{OVERRIDE_HELP}, e.g. schedule.batch_size=4"
+    )
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_intermixed_args(argv)  # overrides before and after the options
     if args.resume not in (None, RESUME_HERE) and "=" in args.resume and not Path(args.resume).exists():
         # `--resume a.b=c`: an override after --resume without a path, put in its place among the others
@@ -84,6 +92,7 @@ def parse_args(argv=None):
     if args.allow_change and args.resume is None:
         parser.error("--allow-change: only with --resume (it names the keys a resumed run may change)")
     args.allow_change = allowed_changes(args.allow_change)
+    args.overrides = split_overrides(args.overrides)[0]  # written as in every command (cli.py)
     return args
 
 
@@ -105,8 +114,7 @@ def evaluate_only(args, cfg, class_names: dict, run: RunDirectory):
     model = build_model(cfg)
     start_weights(model, args, class_names, run.print, evaluated)
     if run.is_main:
-        val, batch = build_dataset("val", cfg.data), evaluation_batch_size(cfg)
-        stats = evaluate(model, val, batch, cfg.data.num_workers, backend=cfg.evaluation.backend).stats
+        stats = evaluate(model, build_dataset("val", cfg.data), cfg).stats
         run.write_results(stats)
         run.print(per_class_table(stats))
         run.print(json.dumps({k: v for k, v in stats.items() if k != "per_class"}, indent=2))

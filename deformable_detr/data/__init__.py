@@ -17,32 +17,57 @@ only for this:
 `CocoDetection` (`coco.py`) reads any set in COCO's layout; `yolo.py`, `voc.py` and `createml.py` read
 YOLO's, Pascal VOC's and Create ML's into COCO's format in memory (`in_memory.py`); `register_dataset`
 adds another kind. Where a set is: `data.path` ('' : `data.coco_path`). The built-in readers check every
-annotation before anything trains (`strict`; `python -m deformable_detr.check` lists every problem).
+annotation before anything trains (`strict`; `audit.check_split`, the check command's, lists every
+problem).
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
 from .coco import COCO_CATEGORY_NAMES, CocoDetection
 from .createml import read_createml
+from .images import BadImageError
 from .in_memory import InMemoryDetection
-from .loader import BadImageError, DataLoader, collate
+from .loader import DataLoader, collate
 from .transforms import make_transforms
 from .voc import read_voc
 from .yolo import read_yolo
 
-DATASETS = {}
+
+@dataclass(frozen=True)
+class DatasetKind:
+    """A registered `data.dataset`: its `builder`; what `data.path` names (`reads`: "folder", "yaml"
+    (a YAML file, or the folder holding it: YOLO's data.yaml), None: not said); `takes_strict`: the
+    builder takes `strict=False` (every problem kept in `dataset.problems`, not the first raised)."""
+
+    builder: Callable
+    reads: str | None = None
+    takes_strict: bool = False
 
 
-def register_dataset(name: str):
+DATASETS: dict[str, DatasetKind] = {}  # the one list of dataset kinds: build_dataset, the check and Detector ask it
+
+
+def register_dataset(name: str, reads: str | None = None, takes_strict: bool = False):
     """Decorator: `builder(split, data_cfg, prepare)` becomes `data.dataset: name`. With `prepare`
-    a builder may write its files first (the shapes set); without, absent files are an error."""
+    a builder may write its files first (the shapes set); without, absent files are an error.
+    `reads` and `takes_strict`: as `DatasetKind`'s (`Detector.evaluate` names a path of the wrong kind
+    by `reads`; the check lists every problem of a builder that `takes_strict`)."""
 
     def register(builder):
-        DATASETS[name] = builder
+        DATASETS[name] = DatasetKind(builder, reads, takes_strict)
         return builder
 
     return register
+
+
+def dataset_reads(name: str) -> str | None:
+    """What `data.path` names for the dataset kind `name`: "folder", "yaml", or None (not said, or no
+    such kind)."""
+    kind = DATASETS.get(name)
+    return kind.reads if kind else None
 
 
 def data_path(data_cfg) -> str:
@@ -50,14 +75,14 @@ def data_path(data_cfg) -> str:
     return getattr(data_cfg, "path", "") or data_cfg.coco_path
 
 
-@register_dataset("coco")
+@register_dataset("coco", reads="folder", takes_strict=True)
 def coco(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     transforms = make_transforms(split, data_cfg)
     orientation = data_cfg.exif_orientation
     return CocoDetection(data_path(data_cfg), split, transforms, data_cfg.skip_bad_images, strict, orientation)
 
 
-@register_dataset("shapes")
+@register_dataset("shapes", reads="folder", takes_strict=True)
 def shapes(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     """The built-in synthetic set, generated under the data path when absent."""
     if prepare and not (Path(data_path(data_cfg)) / "annotations").exists():
@@ -67,7 +92,7 @@ def shapes(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     return coco(split, data_cfg, strict=strict)
 
 
-@register_dataset("small_shapes")
+@register_dataset("small_shapes", reads="folder", takes_strict=True)
 def small_shapes(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     """Small shapes on large canvases (train: tiles; val: whole canvases), generated when absent."""
     if prepare and not (Path(data_path(data_cfg)) / "annotations").exists():
@@ -77,32 +102,36 @@ def small_shapes(split: str, data_cfg, prepare: bool = True, strict: bool = True
     return coco(split, data_cfg, strict=strict)
 
 
-@register_dataset("yolo")
+@register_dataset("yolo", reads="yaml", takes_strict=True)
 def yolo(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     """Ultralytics' layout: `data.path` is the data.yaml or its folder (`yolo.py`)."""
     parsed = read_yolo(data_path(data_cfg), split, data_cfg.skip_bad_images, data_cfg.exif_orientation)
     return InMemoryDetection(parsed, make_transforms(split, data_cfg), data_cfg.skip_bad_images, strict)
 
 
-@register_dataset("voc")
+@register_dataset("voc", reads="folder", takes_strict=True)
 def voc(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     """Pascal VOC's layout: `data.path` holds Annotations/, ImageSets/Main/, JPEGImages/ (`voc.py`)."""
     parsed = read_voc(data_path(data_cfg), split, data_cfg.exif_orientation)
     return InMemoryDetection(parsed, make_transforms(split, data_cfg), data_cfg.skip_bad_images, strict)
 
 
-@register_dataset("createml")
+@register_dataset("createml", reads="folder", takes_strict=True)
 def createml(split: str, data_cfg, prepare: bool = True, strict: bool = True):
     """Apple's Create ML JSON as Roboflow exports it: `data.path` holds train/ and valid/ (`createml.py`)."""
     parsed = read_createml(data_path(data_cfg), split, data_cfg.skip_bad_images, data_cfg.exif_orientation)
     return InMemoryDetection(parsed, make_transforms(split, data_cfg), data_cfg.skip_bad_images, strict)
 
 
-def build_dataset(split: str, data_cfg, prepare: bool = True):
-    """The `split` of the dataset a config's data section names."""
+def build_dataset(split: str, data_cfg, prepare: bool = True, strict: bool = True):
+    """The `split` of the dataset a config's data section names. `strict=False`: every problem kept in
+    `dataset.problems` where the kind `takes_strict` (the others are built as training builds them)."""
     if data_cfg.dataset not in DATASETS:
         raise UsageError(f"data.dataset {data_cfg.dataset!r}: expected one of {', '.join(sorted(DATASETS))}")
-    return DATASETS[data_cfg.dataset](split, data_cfg, prepare)
+    kind = DATASETS[data_cfg.dataset]
+    if not strict and kind.takes_strict:
+        return kind.builder(split, data_cfg, prepare, strict=False)
+    return kind.builder(split, data_cfg, prepare)
 
 
 def num_classes_for(dataset, num_classes) -> int:
@@ -129,9 +158,11 @@ __all__ = [
     "BadImageError",
     "CocoDetection",
     "DataLoader",
+    "DatasetKind",
     "build_dataset",
     "collate",
     "data_path",
+    "dataset_reads",
     "num_classes_for",
     "register_dataset",
 ]

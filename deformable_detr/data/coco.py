@@ -9,8 +9,7 @@ import numpy as np
 
 from .classes import merge_classes
 from .files import read_json
-from .images import ImageFile, UnreadableImageError
-from .loader import BadImageError
+from .images import BadImageError, ImageFile, UnreadableImageError
 from .transforms import normalize
 
 # The 80 COCO detection categories at their ids (1..90, with gaps), as in instances_val2017.json:
@@ -153,10 +152,8 @@ class CocoDetection:
         try:
             with ImageFile(path) as header:
                 return header.rgb(header.frame_for(recorded_size(info), self.exif_orientation))
-        except FileNotFoundError:
-            raise BadImageError(f"{path}: image file not found (image id {image_id})") from None
-        except UnreadableImageError as error:
-            raise BadImageError(f"{error} (image id {image_id})") from None
+        except (FileNotFoundError, UnreadableImageError) as error:
+            raise BadImageError.of(error, path, image_id) from None
 
     def class_names(self) -> dict[int, str]:
         """{category id: name} of the annotation file's `categories`."""

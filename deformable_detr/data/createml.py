@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .classes import chosen_spelling, spelling_groups
 from .files import read_json
-from .images import IMAGE_SUFFIXES, ImageFile, UnreadableImageError
+from .images import IMAGE_SUFFIXES
 from .in_memory import ParsedSplit
 
 ANNOTATION_FILE = "_annotations.createml.json"  # Roboflow's name for a split's Create ML file
@@ -99,16 +99,23 @@ def read_entries(path: Path) -> list:
     return entries
 
 
+def text_field(item, keys: tuple[str, str], where: str, meaning: str, kind: str) -> str:
+    """`item[keys[0]]`, text that is not blank; a ValueError naming `where` where `item` is no object
+    (one with both `keys` expected), lacks the key (`meaning`: what it holds) or its value is no `kind`."""
+    key = keys[0]
+    if not isinstance(item, dict):
+        raise ValueError(f'{where}: expected an object with "{key}" and "{keys[1]}", got {json_type(item)}')
+    if key not in item:
+        raise ValueError(f'{where}: no "{key}" ({meaning})')
+    value = item[key]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f'{where}: "{key}" {json_value(value)} is not {kind}')
+    return value
+
+
 def entry_image(entry, where: str) -> str:
     """The entry's image file name; a ValueError naming the entry where it has none."""
-    if not isinstance(entry, dict):
-        raise ValueError(f'{where}: expected an object with "image" and "annotations", got {json_type(entry)}')
-    if "image" not in entry:
-        raise ValueError(f'{where}: no "image" (the image file\'s name)')
-    name = entry["image"]
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f'{where}: "image" {json_value(name)} is not a file name')
-    return name
+    return text_field(entry, ("image", "annotations"), where, "the image file's name", "a file name")
 
 
 def entry_annotations(entry: dict, where: str) -> list:
@@ -122,14 +129,7 @@ def entry_annotations(entry: dict, where: str) -> list:
 
 def annotation_label(annotation, where: str) -> str:
     """An annotation's label; a ValueError naming it where it is not an object with a name."""
-    if not isinstance(annotation, dict):
-        raise ValueError(f'{where}: expected an object with "label" and "coordinates", got {json_type(annotation)}')
-    if "label" not in annotation:
-        raise ValueError(f'{where}: no "label" (the class name)')
-    label = annotation["label"]
-    if not isinstance(label, str) or not label.strip():
-        raise ValueError(f'{where}: "label" {json_value(label)} is not a class name')
-    return label
+    return text_field(annotation, ("label", "coordinates"), where, "the class name", "a class name")
 
 
 def annotation_box(annotation: dict, where: str) -> list[float]:
@@ -155,6 +155,40 @@ def annotation_box(annotation: dict, where: str) -> list[float]:
         if value < 0:
             raise ValueError(f'{where}: coordinates: "{key}" {json_value(value)} is negative')
     return [x - width / 2, y - height / 2, width, height]
+
+
+def read_item(item, where: str, name_of, rest_of, problems: list) -> tuple[str, str, object] | None:
+    """An entry (or annotation) read: `name_of` its image (or label), then `rest_of` its annotations (or
+    box) -> (`where`, now naming it; the name; the rest); None where either fails, its ValueError's
+    message (what is wrong, and where) added to `problems`."""
+    try:
+        name = name_of(item, where)
+        where = f"{where} ({json_value(name)})"
+        return where, name, rest_of(item, where)
+    except ValueError as error:
+        problems.append(str(error))
+        return None
+
+
+def add_annotations(parsed: ParsedSplit, annotations: list, where: str, image_id: int, ids: dict):
+    """The entry's annotations (at `where`, of the image `image_id`) into `parsed`, as COCO's, the
+    category of each label its id in `ids`; each that cannot be read a problem."""
+    for place, annotation in enumerate(annotations, 1):
+        read = read_item(annotation, f"{where}, annotation {place}", annotation_label, annotation_box, parsed.problems)
+        if read is None:
+            continue
+        at, label, box = read
+        parsed.data["annotations"].append(
+            {
+                "id": len(parsed.data["annotations"]) + 1,
+                "image_id": image_id,
+                "category_id": ids[label],
+                "bbox": box,
+                "area": box[2] * box[3],
+                "iscrowd": 0,
+                "where": at,
+            }
+        )
 
 
 def class_spellings(root: Path) -> Counter:
@@ -201,47 +235,18 @@ def read_createml(path, split: str, skip_bad_images: bool = False, exif_orientat
     parsed.spellings = spellings
     listed = set()
     for number, entry in enumerate(entries, 1):
-        where = f"{source}, entry {number}"
-        try:
-            name = entry_image(entry, where)
-            where = f"{where} ({json_value(name)})"
-            annotations = entry_annotations(entry, where)
-        except ValueError as error:
-            parsed.problems.append(str(error))
+        read = read_item(entry, f"{source}, entry {number}", entry_image, entry_annotations, parsed.problems)
+        if read is None:
             continue
+        where, name, annotations = read
         image_path = folder / name
         listed.add(image_path)
-        try:
-            with ImageFile(image_path) as header:
-                width, height = header.size_in(frame)
-        except (FileNotFoundError, UnreadableImageError) as error:
-            reason = "image file not found" if isinstance(error, FileNotFoundError) else str(error).split(": ", 1)[-1]
-            if skip_bad_images:
-                parsed.notes.append(f"{image_path}: {reason} ({where}); left out (data.skip_bad_images)")
-            else:
-                parsed.problems.append(f"{image_path}: {reason} ({where}; data.skip_bad_images=true leaves it out)")
+        size = parsed.header_size(image_path, frame, skip_bad_images, where)
+        if size is None:
             continue
+        width, height = size
         parsed.data["images"].append({"id": number, "file_name": name, "width": width, "height": height})
-        for place, annotation in enumerate(annotations, 1):
-            at = f"{where}, annotation {place}"
-            try:
-                label = annotation_label(annotation, at)
-                at = f"{at} ({json_value(label)})"
-                box = annotation_box(annotation, at)
-            except ValueError as error:
-                parsed.problems.append(str(error))
-                continue
-            parsed.data["annotations"].append(
-                {
-                    "id": len(parsed.data["annotations"]) + 1,
-                    "image_id": number,
-                    "category_id": ids[label],
-                    "bbox": box,
-                    "area": box[2] * box[3],
-                    "iscrowd": 0,
-                    "where": at,
-                }
-            )
+        add_annotations(parsed, annotations, where, number, ids)
     unlisted = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p not in listed)
     if unlisted:
         more = ", ..." if len(unlisted) > 1 else ""

@@ -1,12 +1,15 @@
 """Annotation files read with their errors in one line naming the file, line and column: JSON (COCO),
-XML (Pascal VOC, elements keep their line for later messages), YAML (YOLO's data.yaml)."""
+XML (Pascal VOC, elements keep their line for later messages), YAML (YOLO's data.yaml: `read_yaml`,
+config.py's, the reader config files use too)."""
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from xml.parsers import expat
 
-import yaml
+from ..config import read_yaml
+
+__all__ = ["Element", "read_json", "read_xml", "read_yaml"]
 
 
 def read_json(path: Path):
@@ -19,19 +22,6 @@ def read_json(path: Path):
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}, line {error.lineno}, column {error.colno}: not valid JSON ({error.msg})") from None
-
-
-def read_yaml(path: Path):
-    """The YAML value in `path`; not YAML: a ValueError naming the file, line and column."""
-    try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 text, so not YAML (byte {error.start})") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ValueError(f"{path}{where}: not valid YAML ({problem})") from None
 
 
 @dataclass

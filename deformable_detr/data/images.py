@@ -37,7 +37,8 @@ overrides the rule: `displayed` or `stored` for every image.
 `ImageFile` also reads an image file's bytes (an upload to the server). A file that is missing raises
 FileNotFoundError, one that cannot be decoded `UnreadableImageError` (`NotAnImageError`: no format
 Pillow identifies; `TooManyPixelsError`: over Pillow's decompression-bomb limit; itself: truncated or
-corrupt); each message names the file and the reason."""
+corrupt); each message names the file and the reason (`unreadable_reason`: the reason alone). A
+dataset's `sample` turns either into a `BadImageError` naming the image id (`BadImageError.of`)."""
 
 import contextlib
 import io
@@ -47,6 +48,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageCms, UnidentifiedImageError
 
+from ..config import EXIF_FRAMES
 from ..errors import install_hint
 
 ORIENTATION_TAG = 0x0112
@@ -63,7 +65,6 @@ TRANSPOSITIONS = {
 }
 # what readers take as images (predict's folders, YOLO's image folders): Ultralytics' list, GIF, HEIF, AVIF
 IMAGE_SUFFIXES = {".bmp", ".gif", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".heic", ".heif", ".avif"}
-FRAMES = ("auto", "displayed", "stored")  # data.exif_orientation
 HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1"}
 AVIF_BRANDS = {b"avif", b"avis"}
 BACKGROUND = (255, 255, 255)  # what transparent pixels are composited over
@@ -96,6 +97,28 @@ class NotAnImageError(UnreadableImageError):
 
 class TooManyPixelsError(UnreadableImageError):
     """An image over Pillow's decompression-bomb limit."""
+
+
+def unreadable_reason(error: Exception, path) -> str:
+    """Why the image file `path` cannot be had, without its name (the caller's message names it, with
+    more): "image file not found" for a FileNotFoundError, else the `UnreadableImageError`'s reason."""
+    if isinstance(error, FileNotFoundError):
+        return "image file not found"
+    return str(error).removeprefix(f"{path}: ")
+
+
+class BadImageError(RuntimeError):
+    """A dataset's image that is missing or cannot be decoded, met by `sample`: the message names the
+    file, the reason (`unreadable_reason`) and the image id. The loader skips it where the dataset's
+    `skip_bad_images` is set; training otherwise saves and stops on it (training/stops.py). A
+    RuntimeError, not the reader's ValueError: a failure of a run's data, which a command names by its
+    type, not a mistake in what the user typed."""
+
+    @classmethod
+    def of(cls, error: Exception, path, image_id) -> "BadImageError":
+        """The error for the image `image_id` at `path`, from the reader's FileNotFoundError or
+        UnreadableImageError."""
+        return cls(f"{path}: {unreadable_reason(error, path)} (image id {image_id})")
 
 
 def _head(source) -> bytes:
@@ -170,14 +193,23 @@ class ImageFile:
         """ "displayed" or "stored": the frame whose size an annotation file records as `recorded_size`
         (width, height; None: not recorded), by `rule` (data.exif_orientation; see the module's
         docstring)."""
+        return self.frame_and_reason(recorded_size, rule)[0]
+
+    def frame_and_reason(self, recorded_size=None, rule: str = "auto") -> tuple[str, str]:
+        """-> (`frame_for`'s frame, why: the rule's words, as the check prints them)."""
         if rule in ("displayed", "stored"):
-            return rule
+            return rule, f"data.exif_orientation: {rule}"
         if rule != "auto":
-            raise ValueError(f"data.exif_orientation {rule!r}: expected one of {', '.join(FRAMES)}")
-        if recorded_size is not None and self.displayed_size != self.stored_size:
-            if tuple(recorded_size) == self.displayed_size:
-                return "displayed"
-        return "stored"
+            raise ValueError(f"data.exif_orientation {rule!r}: expected one of {', '.join(EXIF_FRAMES)}")
+        if self.displayed_size == self.stored_size:
+            return "stored", "both frames are the same size: nothing tells them apart"
+        if recorded_size is None:
+            return "stored", "no size recorded"
+        if tuple(recorded_size) == self.displayed_size:
+            return "displayed", "the recorded size is the displayed one"
+        if tuple(recorded_size) == self.stored_size:
+            return "stored", "the recorded size is the stored one"
+        return "stored", "the recorded size is neither frame's"
 
     def rgb(self, frame: str = "displayed") -> Image.Image:
         """The whole image decoded (truncated data is an error), in `frame`, as RGB, carrying no EXIF or

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .coco import CocoDetection
+from .images import ImageFile, UnreadableImageError, unreadable_reason
 
 
 @dataclass
@@ -28,6 +29,22 @@ class ParsedSplit:
     headers_read: bool = False  # every image's header read already (its size): the check need not
     exif_orientation: str = "auto"  # the frame rule its images are read by (data.exif_orientation)
     spellings: dict = field(default_factory=dict)  # {category id: Counter(spelling: boxes)}, classes.py
+
+    def header_size(self, image_path: Path, frame: str, skip_bad_images: bool, where: str = ""):
+        """(width, height) of the image in `frame`, from its header (formats that record no size); None
+        where it is missing or cannot be read: a problem, or with `skip_bad_images` a note (left out),
+        naming the image and `where` (the entry listing it), if given."""
+        try:
+            with ImageFile(image_path) as header:
+                return header.size_in(frame)
+        except (FileNotFoundError, UnreadableImageError) as error:
+            reason = unreadable_reason(error, image_path)
+        listed = (f" ({where})", f"{where}; ") if where else ("", "")
+        if skip_bad_images:
+            self.notes.append(f"{image_path}: {reason}{listed[0]}; left out (data.skip_bad_images)")
+        else:
+            self.problems.append(f"{image_path}: {reason} ({listed[1]}data.skip_bad_images=true leaves it out)")
+        return None
 
 
 def coco_from_dict(data: dict):

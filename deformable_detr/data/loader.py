@@ -8,10 +8,7 @@ import warnings
 
 import numpy as np
 
-
-class BadImageError(RuntimeError):
-    """An image file that is missing or cannot be decoded; the message names it. A dataset raises it
-    from `sample`; the loader skips that sample when the dataset's `skip_bad_images` is set."""
+from .images import BadImageError
 
 
 def collate(samples):
@@ -55,7 +52,6 @@ class DataLoader:
         self.micro_batch_size = micro_batch_size or batch_size // world_size
         if batch_size % (world_size * self.micro_batch_size):
             raise ValueError(f"a batch of {batch_size} does not split into {world_size} x {self.micro_batch_size}")
-        self.skipped = 0
         self.skipped_messages = []  # each skipped image's, until the one consuming them takes them
 
     def batches_per_epoch(self):
@@ -137,7 +133,6 @@ class DataLoader:
             kind, _, message = bytes(element["error"]).decode().partition(": ")
             raise (BadImageError if kind == "BadImageError" else RuntimeError)(message)
         for message in filter(None, bytes(element["skipped"]).decode().split("\n")):
-            self.skipped += 1
             self.skipped_messages.append(message)
             warnings.warn(f"skipping {message}", stacklevel=3)
         return _unpack(element)

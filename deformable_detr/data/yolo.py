@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .classes import merge_classes
 from .files import read_yaml
-from .images import IMAGE_SUFFIXES, ImageFile, UnreadableImageError
+from .images import IMAGE_SUFFIXES
 from .in_memory import ParsedSplit
 
 
@@ -177,16 +177,10 @@ def read_yolo(path, split: str, skip_bad_images: bool = False, exif_orientation:
     parsed.data["categories"] = [{"id": i, "name": name} for i, name in names.items()]
     unlabelled = []
     for image_path in split_images(data, split, root, yaml_path):
-        try:
-            with ImageFile(image_path) as header:
-                width, height = header.size_in(frame)
-        except (FileNotFoundError, UnreadableImageError) as error:
-            reason = "image file not found" if isinstance(error, FileNotFoundError) else str(error).split(": ", 1)[-1]
-            if skip_bad_images:
-                parsed.notes.append(f"{image_path}: {reason}; left out (data.skip_bad_images)")
-            else:
-                parsed.problems.append(f"{image_path}: {reason} (data.skip_bad_images=true leaves it out)")
+        size = parsed.header_size(image_path, frame, skip_bad_images)
+        if size is None:
             continue
+        width, height = size
         image_id = len(parsed.data["images"]) + 1
         file_name = image_path.relative_to(root) if image_path.is_relative_to(root) else image_path
         parsed.data["images"].append({"id": image_id, "file_name": str(file_name), "width": width, "height": height})

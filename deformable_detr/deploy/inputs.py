@@ -1,5 +1,6 @@
-"""An exported file's inputs (ONNX or .mlxfn) from images: resized and normalised as `predict` does, placed at the
-top left of the canvas (as `collate` pads), with transformers' `pixel_mask`.
+"""The inference preprocessing (`model_pixels`: `Detector`, so `predict` and the server, and the exporters' inputs), and
+an exported file's inputs (ONNX or .mlxfn) from images: resized and normalised as `predict` does, placed at the top
+left of the canvas (as `collate` pads), with transformers' `pixel_mask`.
 
     inputs = canvas_inputs([Image.open("photo.jpg")], canvas=(800, 1333))
     logits, pred_boxes = session.run(None, inputs)  # onnxruntime.InferenceSession("model.onnx")
@@ -7,8 +8,18 @@ top left of the canvas (as `collate` pads), with transformers' `pixel_mask`.
 """
 
 import numpy as np
+from PIL import Image
 
 from ..data.transforms import normalize, resized_shape
+
+
+def model_pixels(image: Image.Image, shape: tuple) -> np.ndarray:
+    """What the model takes of `image` (PIL), in one place: in RGB, resized to `shape` (height, width) bilinearly
+    as the val transforms' `transforms.resize`, ImageNet-normalised as `transforms.normalize` -> (height, width,
+    3) float32. `Detector` resizes to its `batch_key`, `canvas_inputs` to `fitting_shape`."""
+    height, width = shape
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    return normalize(rgb.resize((width, height), Image.BILINEAR), {"boxes": np.zeros((0, 4), np.float32)})[0]
 
 
 def pad_to_canvas(images: list, canvas: tuple) -> dict:
@@ -44,9 +55,5 @@ def canvas_inputs(images: list, canvas: tuple, size: int | None = None, max_size
     shorter and longer side, the config's val_size and max_size for the default canvas)."""
     size = size or min(canvas)
     max_size = max_size or max(canvas)
-    pixels = []
-    for image in images:
-        h, w = fitting_shape(image.width, image.height, canvas, size, max_size)
-        resized = image.convert("RGB").resize((w, h), resample=2)  # PIL's BILINEAR, as transforms.resize
-        pixels.append(normalize(resized, {"boxes": np.zeros((0, 4), np.float32)})[0])
+    pixels = [model_pixels(image, fitting_shape(*image.size, canvas, size, max_size)) for image in images]
     return pad_to_canvas(pixels, canvas)

@@ -16,7 +16,8 @@ The commands (`predict`, `eval.py`, `export`) are built on it.
 The batching rule: a batch never changes an answer. Images padded to the largest of a batch see the
 padding (the input projection's GroupNorm takes statistics over it; frozen batch norm's shift makes it
 non-zero for the next convolution): up to 0.09 in score on the shapes val set. So `detect` and `predict`
-put only images of one resized size (`batch_key`) in a forward, none padded, and each image's results
+put only images of one resized size (`batch_key`) in a forward, none padded (grouped by `inputs.grouped`,
+the one grouping rule; the server's batcher keys its queue by `batch_key` too), and each image's results
 are those it has alone, to float rounding (the CPU BLAS rounds one image's small matrix products
 differently from a batch's: measured at most 5e-7 in score, 5e-5 pixels in a box). COCO evaluation
 (evaluation.py) keeps the authors' batches padded to the largest, as their AP is computed so."""
@@ -37,10 +38,11 @@ from mlx.utils import tree_flatten
 from PIL import Image
 
 from ..config import Config, config_to_dict, load_config
-from ..data import build_dataset, collate
+from ..data import build_dataset, collate, dataset_reads
 from ..data.classes import describe_match, match_classes
 from ..data.files import read_yaml
-from ..data.transforms import normalize, resize, resized_shape
+from ..data.transforms import resized_shape
+from ..deploy.inputs import model_pixels
 from ..deploy.mlxfn import export_mlx
 from ..deploy.onnx.export import export_onnx
 from ..errors import UsageError
@@ -50,14 +52,13 @@ from ..weights import conversion
 from ..weights.loading import config_from_weights, load_trained_model
 from .attention_points import encoder_queries, in_pixels, recording
 from .confusion import THRESHOLD, draw_confusion_matrix
-from .evaluation import evaluate, evaluation_batch_size
-from .inputs import as_image, find_inputs, open_image, opened_batches
+from .evaluation import evaluate
+from .inputs import Unreadable, as_image, find_inputs, grouped, open_image, opened_batches
 from .slicing import OVERLAP, check_slice, sliced_detect
 from .tracking import Tracking, tracked
 from .visualize import draw_detections, pr_curves
 
 CONFIG_SECTIONS = [section.name for section in dataclasses.fields(Config) if section.name != "seed"]
-FOLDER_DATASETS = {"coco", "shapes", "small_shapes", "voc", "createml"}  # built-in readers of a folder
 
 
 @dataclass
@@ -186,32 +187,37 @@ class Detector:
         sliced = None if slice is None else check_slice(slice, overlap)
         if sliced and (attention or encoder_pixel is not None):
             raise UsageError("slice: attention and encoder_pixel show one forward of a whole image; not with slices")
-        items = images if isinstance(images, (list, tuple)) else [images]
+        unreadable = Unreadable(skip_unreadable, "skip_unreadable=True", _warn_skipped)
+        looking = (attention_layer if attention else None, encoder_pixel)
+        found = {}  # {order read: Detections}
+        for batch in self.predict_batches(images, unreadable, threshold, batch_size, looking, sliced):
+            found.update((order, detections) for order, _, detections in batch)
+        return Predictions([found[order] for order in sorted(found)], unreadable.skipped)
+
+    def predict_batches(
+        self, images, unreadable: Unreadable, threshold=0.5, batch_size=1, looking=(None, None), sliced=None
+    ):
+        """`predict`'s work as it goes, for a caller that uses each image once its forward is done (the predict
+        command writes its pictures so): a list per forward of (order, image, Detections), `order` counting the
+        images read. `unreadable`: what a file that cannot be read does (`inputs.Unreadable`); `looking`: (the
+        decoder layer whose sampling points are asked, the encoder pixel whose queries), None where not asked;
+        `sliced`: check_slice's ((W, H), overlap) or None."""
         sources = []  # (the file, or the image given)
-        for item in items:
+        for item in images if isinstance(images, (list, tuple)) else [images]:
             is_path = isinstance(item, (str, Path))
             sources += [(path, None) for path in find_inputs([item])] if is_path else [(None, as_image(item))]
-        decoder_layer = attention_layer if attention else None
-        skipped, found = [], {}  # found: {order read: Detections}
-
-        def unreadable(path, error):
-            if not skip_unreadable:
-                raise type(error)(f"{error}; skip_unreadable=True leaves such images out") from None
-            skipped.append((path, str(error).removeprefix(f"{path}: ")))
-            # stacklevel 4: past this function, opened_batches and predict, to the line that called predict
-            warnings.warn(f"skipped: {error}", stacklevel=4)
-
         # sliced: an image at a time (its slices make the batches), so no large image waits for others
-        for batch in opened_batches(sources, 1 if sliced else batch_size, unreadable, key=self.batch_key):
+        for batch in opened_batches(sources, 1 if sliced else batch_size, unreadable, self.batch_key):
             if sliced:
                 [(order, path, image)] = batch
                 merged = sliced_detect(self, image, *sliced, threshold, batch_size)
-                found[order] = self._kept(merged, threshold, image.size, path)
+                yield [(order, image, self._kept(merged, threshold, image.size, path))]
                 continue
-            detected = self.detect([image for _, _, image in batch], decoder_layer, encoder_pixel)
-            for (order, path, image), one in zip(batch, detected, strict=True):
-                found[order] = self._kept(one, threshold, image.size, path)
-        return Predictions([found[order] for order in sorted(found)], skipped)
+            detected = self._forward([image for _, _, image in batch], *looking)
+            yield [
+                (order, image, self._kept(one, threshold, image.size, path))
+                for (order, path, image), one in zip(batch, detected, strict=True)
+            ]
 
     def track(
         self,
@@ -238,10 +244,10 @@ class Detector:
         """PIL images (RGB) -> per image, in order, the top 100 of `post_process` (numpy, boxes in the
         image's pixels); with `decoder_layer`, "attention": in_pixels' dict of every query of that layer's
         cross-attention; with `encoder_pixel` (x, y), "encoder": that pixel's encoder queries. One forward
-        per `batch_key` among them (`same_size_groups`): no image is padded, so each gets the results it
+        per `batch_key` among them (`inputs.grouped`): no image is padded, so each gets the results it
         has alone (the batching rule: the module's docstring)."""
         results = [None] * len(images)
-        for group in same_size_groups(images, self.batch_key):
+        for group in grouped(range(len(images)), lambda i: self.batch_key(images[i]), max(len(images), 1)):
             found = self._forward([images[i] for i in group], decoder_layer, encoder_pixel)
             for i, result in zip(group, found, strict=True):
                 results[i] = result
@@ -249,9 +255,7 @@ class Detector:
 
     def _forward(self, images: list, decoder_layer: int | None, encoder_pixel) -> list[dict]:
         """`detect` of images of one `batch_key`, in one forward."""
-        empty = {"boxes": np.zeros((0, 4), np.float32), "labels": np.zeros(0, np.int64)}
-        data = self.cfg.data
-        pixels, mask, _ = collate([normalize(*resize(image, empty, data.val_size, data.max_size)) for image in images])
+        pixels, mask, _ = collate([(model_pixels(image, self.batch_key(image)), None) for image in images])
         encoder_layer = -1 if encoder_pixel is not None else None
         asked = decoder_layer is not None or encoder_layer is not None
         with (
@@ -308,12 +312,8 @@ class Detector:
         class_map = match_classes(self.class_names, dataset.class_names())
         for line in describe_match(self.class_names, dataset.class_names(), class_map, dataset.annotation_file):
             print(line, file=sys.stderr)
-        batch_size = batch_size or evaluation_batch_size(self.cfg)
-        backend = self.cfg.evaluation.backend
         with self.products():
-            evaluation = evaluate(
-                self.model, dataset, batch_size, data.num_workers, verbose, backend, class_map, threshold
-            )
+            evaluation = evaluate(self.model, dataset, self.cfg, batch_size, verbose, class_map, threshold)
         if output_dir is not None:
             output_dir = Path(output_dir)
             output_dir.mkdir(parents=True, exist_ok=True)
@@ -345,17 +345,6 @@ class Detector:
         raise ValueError(f"export to {to!r}: expected torch, huggingface, onnx or mlx")
 
 
-def same_size_groups(images: list, key, batch_size: int | None = None) -> list[list[int]]:
-    """The indices of `images` grouped by `key(image)` (e.g. `Detector.batch_key`), each group in input
-    order and the groups in order of their first image; a key's images split in groups of at most
-    `batch_size` (None: all in one)."""
-    by_key = {}
-    for i, image in enumerate(images):
-        by_key.setdefault(key(image), []).append(i)
-    step = batch_size or len(images)
-    return [indices[start : start + step] for indices in by_key.values() for start in range(0, len(indices), step)]
-
-
 def _check_dataset_path(path: Path, dataset: str) -> None:
     """`evaluate`'s `path` where it is a file no reader of the config's `dataset` takes (a config YAML,
     a checkpoint, ...): a UsageError naming it, before a reader fails on it somewhere obscure."""
@@ -369,11 +358,12 @@ def _check_dataset_path(path: Path, dataset: str) -> None:
         raise UsageError(
             f"{path}: a config file, not a dataset; {takes} (a config is Detector.load's config, eval.py's --config)"
         )
-    if is_yaml and dataset in FOLDER_DATASETS:
+    reads = dataset_reads(dataset)  # "folder", "yaml" or None (data/__init__.py's registry)
+    if is_yaml and reads == "folder":
         raise UsageError(
             f"{path}: a YAML file, but data.dataset {dataset} reads a folder; YOLO's data.yaml takes data.dataset=yolo"
         )
-    if dataset in FOLDER_DATASETS or (dataset == "yolo" and not is_yaml):
+    if reads == "folder" or (reads == "yaml" and not is_yaml):
         raise UsageError(f"{path}: a file, not a dataset; {takes}")
 
 
@@ -387,6 +377,12 @@ def _is_config(path: Path) -> bool:
     if not isinstance(content, dict) or "names" in content:
         return False
     return any(isinstance(content.get(section), dict) for section in CONFIG_SECTIONS)
+
+
+def _warn_skipped(message: str) -> None:
+    """`predict`'s report of a file it left out (skip_unreadable): a warning pointing at the caller's line, past
+    Unreadable.__call__ and .read, opened_batches' reader, grouped, predict_batches and predict."""
+    warnings.warn(message, stacklevel=8)
 
 
 def _dataset_names(cfg: Config) -> dict:

@@ -35,21 +35,22 @@ class Evaluation:
 def evaluate(
     model,
     dataset,
-    batch_size: int = 2,
-    num_workers: int = 2,
+    cfg,
+    batch_size: int | None = None,
     verbose: bool = False,
-    backend: str = "auto",
     class_map: dict | None = None,
     threshold: float = THRESHOLD,
 ) -> Evaluation:
     """COCO box AP of `model` on `dataset` (its val split), and the confusion matrix of its detections
-    scoring at least `threshold`. `verbose` prints the 12-line summary; `backend`: evaluation.backend;
-    `class_map`: {model's category id: dataset's} (data/classes.py, the classes met by name; None: the
-    same ids). The model is left in the mode it was in."""
-    training = model.training
-    detections = to_dataset_classes(predict_detections(model, dataset, batch_size, num_workers), class_map)
+    scoring at least `threshold`. `cfg`: the run's config (its data.num_workers, evaluation.backend, and
+    evaluation_batch_size where `batch_size` is None). `verbose` prints the 12-line summary; `class_map`:
+    {model's category id: dataset's} (data/classes.py, the classes met by name; None: the same ids). The
+    model is left in the mode it was in."""
+    batch_size, training = batch_size or evaluation_batch_size(cfg), model.training
+    detections = predict_detections(model, dataset, batch_size, cfg.data.num_workers)
+    detections = to_dataset_classes(detections, class_map)
     model.train(training)
-    evaluation = score_detections(dataset, detections, verbose, backend)
+    evaluation = score_detections(dataset, detections, verbose, cfg.evaluation.backend)
     matrix = confusion_matrix(evaluation_ground_truth(dataset), detections, threshold)
     if matrix is not None:
         evaluation.stats["confusion_matrix"] = matrix
@@ -106,12 +107,6 @@ def coco_results(results: list, targets: list) -> list:
                 }
             )
     return records
-
-
-def coco_stats(coco_gt, detections: list, verbose: bool = True, backend: str = "auto") -> dict:
-    """COCO's bbox evaluation: the 12 summary numbers by name (printed when verbose), and
-    "per_class"."""
-    return summary(coco_evaluator(coco_gt, detections, verbose, backend), coco_gt)
 
 
 def coco_evaluator(coco_gt, detections: list, verbose: bool = True, backend: str = "auto"):

@@ -41,32 +41,63 @@ def open_image(path: Path) -> Image.Image:
     return read_image(path, "displayed")
 
 
-def opened_batches(sources: list, batch_size: int, unreadable, key=None):
-    """Batches of (order, path, image): each of `sources` (path, None) opened here, (None, image) as
-    given; `order` counts the images opened. A file that does not open goes to `unreadable(path,
-    error)`, which raises to stop or returns to leave it out; the next images fill its place.
+class Unreadable:
+    """The skip-unreadable rule, for `Detector.predict` and the predict command alike: a file that cannot be read
+    (FileNotFoundError, `UnreadableImageError`) stops the work, its error naming it and `hint`, how to go on
+    without it (`skip_unreadable=True`, `--skip-unreadable`); with `skip`, it is left out: "skipped: <the error>"
+    goes to `report` and (path, reason) to `skipped`, in order."""
 
-    Without `key`, batches of `batch_size` in input order (the last may be short). With `key(image)`,
-    a batch holds images of one key only, at most `batch_size`: each key's images wait for the next of
-    theirs; a batch leaves when full, or, once more than WAITING_BATCHES batches' worth wait, the one of
-    the longest-waiting image leaves short (so memory stays bounded); at the end the rest, oldest first."""
-    waiting = {}  # key -> its waiting (order, path, image); dict order: that of each group's oldest image
-    order = 0
-    for path, image in sources:
-        if image is None:
-            try:
-                image = open_image(path)
-            except (FileNotFoundError, UnreadableImageError) as error:
-                unreadable(path, error)
-                continue
-        group_key = None if key is None else key(image)
-        waiting.setdefault(group_key, []).append((order, path, image))
-        order += 1
+    ERRORS = (FileNotFoundError, UnreadableImageError)
+
+    def __init__(self, skip: bool, hint: str, report):
+        self.skip, self.hint, self.report, self.skipped = skip, hint, report, []
+
+    def __call__(self, path, error) -> None:
+        if not self.skip:
+            raise type(error)(f"{error}; {self.hint} leaves such images out") from None
+        self.skipped.append((path, str(error).removeprefix(f"{path}: ")))
+        self.report(f"skipped: {error}")
+
+    def read(self, path, reader):
+        """`reader(path)`, or None where the file cannot be read (and the rule lets it go)."""
+        try:
+            return reader(path)
+        except self.ERRORS as error:
+            self(path, error)
+            return None
+
+
+def grouped(items, key, batch_size: int):
+    """The grouping rule, in one place: `items` (an iterable) in batches of one `key(item)` each
+    (`Detector.batch_key`: the images a forward takes unpadded), at most `batch_size`, each in input order.
+    Each key's items wait for the next of theirs; a batch leaves when full, or, once more than
+    WAITING_BATCHES batches' worth wait, the one of the longest-waiting item leaves short (so memory stays
+    bounded); at the end the rest, oldest first."""
+    waiting = {}  # key -> its waiting items; dict order: that of each group's oldest item
+    for item in items:
+        group_key = key(item)
+        waiting.setdefault(group_key, []).append(item)
         if len(waiting[group_key]) == batch_size:
             yield waiting.pop(group_key)
         elif sum(len(group) for group in waiting.values()) > WAITING_BATCHES * batch_size:
             yield waiting.pop(next(iter(waiting)))
     yield from waiting.values()
+
+
+def opened_batches(sources: list, batch_size: int, unreadable: Unreadable, key):
+    """`grouped` batches of (order, path, image): each of `sources` (path, None) opened here, (None, image) as
+    given, grouped by `key(image)`; `order` counts the images opened. A file that does not open goes to the
+    `unreadable` rule, which raises to stop or leaves it out; the next images fill its place."""
+
+    def opened():
+        order = 0
+        for path, image in sources:
+            image = unreadable.read(path, open_image) if image is None else image
+            if image is not None:
+                yield order, path, image
+                order += 1
+
+    return grouped(opened(), lambda item: key(item[2]), batch_size)
 
 
 def displayed_size(path: Path) -> tuple[int, int]:

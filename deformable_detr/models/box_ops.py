@@ -8,11 +8,6 @@ def box_cxcywh_to_xyxy(boxes: mx.array) -> mx.array:
     return mx.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w, cy + 0.5 * h], axis=-1)
 
 
-def box_xyxy_to_cxcywh(boxes: mx.array) -> mx.array:
-    x0, y0, x1, y1 = (boxes[..., i] for i in range(4))
-    return mx.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], axis=-1)
-
-
 def generalized_box_iou(boxes1: mx.array, boxes2: mx.array) -> mx.array:
     """Generalized IoU of x0, y0, x1, y1 boxes, elementwise with broadcasting: pass
     (N, 1, 4) and (1, M, 4) for the (N, M) matrix, or two (N, 4) for matched pairs."""

@@ -6,7 +6,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import Config
+from ..config import Config, ModelConfig
 from .backbone import Backbone, Conv2d, resize_mask
 from .box_ops import box_cxcywh_to_xyxy
 from .deformable_transformer import DeformableTransformer, inverse_sigmoid
@@ -52,30 +52,22 @@ class DeformableDETR(nn.Module):
 
     Without box refinement the authors share one class head and one box head across decoder layers;
     here they are stored once (`class_embed.0`, `bbox_embed.0`). With refinement every layer has its
-    own (plus one for the encoder proposals in two-stage), also used by the decoder to refine."""
+    own (plus one for the encoder proposals in two-stage), also used by the decoder to refine.
+    `m`, the config's model section: num_classes, num_queries, num_feature_levels, aux_loss, with_box_refine,
+    two_stage."""
 
-    def __init__(
-        self,
-        backbone: Backbone,
-        transformer: DeformableTransformer,
-        num_classes: int,
-        num_queries: int,
-        num_feature_levels: int,
-        aux_loss: bool = True,
-        with_box_refine: bool = False,
-        two_stage: bool = False,
-    ):
+    def __init__(self, backbone: Backbone, transformer: DeformableTransformer, m: ModelConfig):
         super().__init__()
-        hidden_dim = transformer.d_model
-        self.num_queries, self.num_feature_levels = num_queries, num_feature_levels
-        self.aux_loss, self.with_box_refine, self.two_stage = aux_loss, with_box_refine, two_stage
+        hidden_dim, num_classes, num_queries, two_stage = transformer.d_model, m.num_classes, m.num_queries, m.two_stage
+        self.num_queries, self.num_feature_levels = num_queries, m.num_feature_levels
+        self.aux_loss, self.with_box_refine, self.two_stage = m.aux_loss, m.with_box_refine, two_stage
         self.backbone = [backbone]  # the authors' Joiner: backbone.0 is the ResNet, backbone.1 the encoding
         self.position_embedding = PositionEmbeddingSine(hidden_dim // 2)
         self.transformer = transformer
 
         num_layers = len(transformer.decoder.layers)
         num_pred = num_layers + 1 if two_stage else num_layers
-        num_heads = num_pred if with_box_refine else 1
+        num_heads = num_pred if m.with_box_refine else 1
         self.class_embed = [ClassHead(hidden_dim, num_classes) for _ in range(num_heads)]
         self.bbox_embed = [MLP(hidden_dim, hidden_dim, 4, 3) for _ in range(num_heads)]
         if not two_stage:
@@ -86,7 +78,7 @@ class DeformableDETR(nn.Module):
             [Conv2d(c, hidden_dim, 1), GroupNorm(32, hidden_dim, pytorch_compatible=True)] for c in in_channels
         ]
         extra_in = in_channels[-1]
-        for _ in range(num_feature_levels - len(in_channels)):  # extra levels: 3x3 stride-2 convolutions
+        for _ in range(m.num_feature_levels - len(in_channels)):  # extra levels: 3x3 stride-2 convolutions
             self.input_proj.append(
                 [Conv2d(extra_in, hidden_dim, 3, 2, 1), GroupNorm(32, hidden_dim, pytorch_compatible=True)]
             )
@@ -185,28 +177,6 @@ def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
 def build_model(cfg: Config) -> DeformableDETR:
     m = cfg.model
     backbone = Backbone(m.backbone, m.num_feature_levels > 1, m.dilation, m.backbone_width)
-    transformer = DeformableTransformer(
-        d_model=m.hidden_dim,
-        nhead=m.nheads,
-        num_encoder_layers=m.enc_layers,
-        num_decoder_layers=m.dec_layers,
-        dim_feedforward=m.dim_feedforward,
-        dropout=m.dropout,
-        num_feature_levels=m.num_feature_levels,
-        dec_n_points=m.dec_n_points,
-        enc_n_points=m.enc_n_points,
-        two_stage=m.two_stage,
-        two_stage_num_proposals=m.num_queries,
-    )
-    model = DeformableDETR(
-        backbone,
-        transformer,
-        num_classes=m.num_classes,
-        num_queries=m.num_queries,
-        num_feature_levels=m.num_feature_levels,
-        aux_loss=m.aux_loss,
-        with_box_refine=m.with_box_refine,
-        two_stage=m.two_stage,
-    )
+    model = DeformableDETR(backbone, DeformableTransformer(m), m)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing is True)  # auto: the memory check sets it
     return model

@@ -9,6 +9,7 @@ import kernels
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..config import ModelConfig
 from .linear import Linear
 from .ms_deform_attn import MSDeformAttn
 from .position_encoding import sine_embedding
@@ -50,28 +51,49 @@ class MultiheadAttention(nn.Module):
         return self.out_proj(to(out, query.dtype))
 
 
+def with_feed_forward(layer, d_model: int, d_ffn: int, dropout: float, norm: str) -> None:
+    """Gives an encoder or decoder layer its last sublayer's parts, in the authors' order (that of the seeded
+    initialisation): linear1, linear2, the LayerNorm named `norm`, dropout."""
+    layer.linear1 = Linear(d_model, d_ffn)
+    layer.linear2 = Linear(d_ffn, d_model)
+    setattr(layer, norm, LayerNorm(d_model))
+    layer.dropout = Dropout(dropout)
+
+
+def feed_forward(layer, x, norm):
+    """An encoder or decoder layer's last sublayer (the authors' forward_ffn): `layer`'s linear1, ReLU, dropout,
+    linear2, dropout, the residual, then `norm`."""
+    ffn = layer.linear2(layer.dropout(layer.linear1(x), after_relu=True))
+    return norm(x + layer.dropout(ffn))
+
+
+class LayerStack(nn.Module):
+    """The encoder's or the decoder's `num_layers` layers, each a LAYER of `layer_args`; with
+    `activation_checkpointing`, each layer recomputed in the backward (recompute.py)."""
+
+    LAYER = None
+
+    def __init__(self, num_layers: int, **layer_args):
+        super().__init__()
+        self.layers = [self.LAYER(**layer_args) for _ in range(num_layers)]
+        self.activation_checkpointing = False
+
+
 class DeformableTransformerEncoderLayer(nn.Module):
     def __init__(self, d_model=256, d_ffn=1024, dropout=0.1, n_levels=4, n_heads=8, n_points=4):
         super().__init__()
         self.self_attn = MSDeformAttn(d_model, n_levels, n_heads, n_points)
         self.norm1 = LayerNorm(d_model)
-        self.linear1 = Linear(d_model, d_ffn)
-        self.linear2 = Linear(d_ffn, d_model)
-        self.norm2 = LayerNorm(d_model)
-        self.dropout = Dropout(dropout)
+        with_feed_forward(self, d_model, d_ffn, dropout, "norm2")
 
     def __call__(self, src, pos, reference_points, spatial_shapes, padding_mask):
         attended = self.self_attn(src + pos, reference_points, src, spatial_shapes, None, padding_mask)
         src = self.norm1(src + self.dropout(attended))
-        ffn = self.linear2(self.dropout(self.linear1(src), after_relu=True))
-        return self.norm2(src + self.dropout(ffn))
+        return feed_forward(self, src, self.norm2)
 
 
-class DeformableTransformerEncoder(nn.Module):
-    def __init__(self, num_layers: int, **layer_args):
-        super().__init__()
-        self.layers = [DeformableTransformerEncoderLayer(**layer_args) for _ in range(num_layers)]
-        self.activation_checkpointing = False  # recompute each layer in the backward (recompute.py)
+class DeformableTransformerEncoder(LayerStack):
+    LAYER = DeformableTransformerEncoderLayer
 
     @staticmethod
     def reference_points(spatial_shapes, valid_ratios):
@@ -108,25 +130,18 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.norm1 = LayerNorm(d_model)
         self.self_attn = MultiheadAttention(d_model, n_heads)
         self.norm2 = LayerNorm(d_model)
-        self.linear1 = Linear(d_model, d_ffn)
-        self.linear2 = Linear(d_ffn, d_model)
-        self.norm3 = LayerNorm(d_model)
-        self.dropout = Dropout(dropout)
+        with_feed_forward(self, d_model, d_ffn, dropout, "norm3")
 
     def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask):
         q = k = tgt + query_pos
         tgt = self.norm2(tgt + self.dropout(self.self_attn(q, k, tgt)))
         attended = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
         tgt = self.norm1(tgt + self.dropout(attended))
-        ffn = self.linear2(self.dropout(self.linear1(tgt), after_relu=True))
-        return self.norm3(tgt + self.dropout(ffn))
+        return feed_forward(self, tgt, self.norm3)
 
 
-class DeformableTransformerDecoder(nn.Module):
-    def __init__(self, num_layers: int, **layer_args):
-        super().__init__()
-        self.layers = [DeformableTransformerDecoderLayer(**layer_args) for _ in range(num_layers)]
-        self.activation_checkpointing = False  # recompute each layer in the backward (recompute.py)
+class DeformableTransformerDecoder(LayerStack):
+    LAYER = DeformableTransformerDecoderLayer
 
     def __call__(
         self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask, bbox_embed=None
@@ -160,29 +175,18 @@ class DeformableTransformerDecoder(nn.Module):
 
 
 class DeformableTransformer(nn.Module):
-    def __init__(
-        self,
-        d_model=256,
-        nhead=8,
-        num_encoder_layers=6,
-        num_decoder_layers=6,
-        dim_feedforward=1024,
-        dropout=0.1,
-        num_feature_levels=4,
-        dec_n_points=4,
-        enc_n_points=4,
-        two_stage=False,
-        two_stage_num_proposals=300,
-    ):
+    def __init__(self, m: ModelConfig):
+        """The authors' transformer of the config's model section: `hidden_dim` wide (their d_model), `nheads`
+        heads, `enc_layers` and `dec_layers` layers with `dim_feedforward` FFNs, `num_feature_levels` levels
+        sampled at `enc_n_points` / `dec_n_points`; with `two_stage`, `num_queries` proposals."""
         super().__init__()
-        self.d_model, self.two_stage, self.two_stage_num_proposals = d_model, two_stage, two_stage_num_proposals
-        common = dict(
-            d_model=d_model, d_ffn=dim_feedforward, dropout=dropout, n_levels=num_feature_levels, n_heads=nhead
-        )
-        self.encoder = DeformableTransformerEncoder(num_encoder_layers, n_points=enc_n_points, **common)
-        self.decoder = DeformableTransformerDecoder(num_decoder_layers, n_points=dec_n_points, **common)
-        self.level_embed = mx.random.normal((num_feature_levels, d_model))
-        if two_stage:
+        d_model, levels = m.hidden_dim, m.num_feature_levels
+        self.d_model, self.two_stage, self.two_stage_num_proposals = d_model, m.two_stage, m.num_queries
+        common = dict(d_model=d_model, d_ffn=m.dim_feedforward, dropout=m.dropout, n_levels=levels, n_heads=m.nheads)
+        self.encoder = DeformableTransformerEncoder(m.enc_layers, n_points=m.enc_n_points, **common)
+        self.decoder = DeformableTransformerDecoder(m.dec_layers, n_points=m.dec_n_points, **common)
+        self.level_embed = mx.random.normal((levels, d_model))
+        if m.two_stage:
             self.enc_output = Linear(d_model, d_model)
             self.enc_output_norm = LayerNorm(d_model)
             self.pos_trans = Linear(d_model * 2, d_model * 2)

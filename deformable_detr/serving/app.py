@@ -6,7 +6,8 @@
                      -> {"model", "image": {"width", "height"}, "detections": [Detections.to_json()]}
                         or {"model", "results": [{"filename", "image", "detections"}, ...]};
                         header X-Batch-Size: the forward batch the (first) image ran in
-    GET /v1/model    the model: name, classes, queries, layers, heads, levels, points, val_size, max_size
+    GET /v1/model    the model: name, classes, queries, layers, heads, levels, points, val_size, max_size,
+                     level_colours ([r, g, b] of each feature level's sampling points, inference/visualize.py's)
     GET /v1/stats    requests, images, batches, batch_sizes {size: count}, queued, megapixels (of the pixel
                      budget held now, as uploads.pixels counts them), errors (answers 4xx or 5xx),
                      disconnects (clients gone before their answer), timeouts (stalled: headers or a body
@@ -49,6 +50,8 @@ from starlette.routing import Route
 
 from ..errors import CommandError
 from ..inference.slicing import OVERLAP, check_slice, slice_count, supervision
+from ..inference.visualize import LEVEL_COLOURS
+from ..weights.hub import is_hub
 from .batcher import Batcher, Closed, QueueFull
 from .uploads import ClientError, OverBudget, PixelBudget, decode, pixels, quoted, read_header
 
@@ -308,6 +311,7 @@ class DetectionService:
                 "points": model.dec_n_points,
                 "val_size": data.val_size,
                 "max_size": data.max_size,
+                "level_colours": [list(colour) for colour in LEVEL_COLOURS],
             }
         )
 
@@ -439,4 +443,4 @@ def model_name(source) -> str:
     the server's whole path)."""
     text = str(source or "model")
     path = Path(text)
-    return text if text.startswith("hf://") or not path.parent.name else f"{path.parent.name}/{path.name}"
+    return text if is_hub(text) or not path.parent.name else f"{path.parent.name}/{path.name}"

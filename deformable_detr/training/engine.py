@@ -31,7 +31,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..errors import CommandError
-from ..inference.evaluation import evaluate, evaluation_batch_size
+from ..inference.evaluation import evaluate
 from .memory_plan import is_out_of_memory, out_of_memory_message
 from .optimizer import set_epoch_learning_rates
 from .run_directory import RunDirectory
@@ -93,9 +93,7 @@ def fit(trainer: Trainer, loader, run: RunDirectory, progress: Progress, val=Non
             last = evaluated or last
         if val is not None:
             with trainer.evaluation_weights():
-                last = last or evaluate(
-                    trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers, backend=cfg.evaluation.backend
-                )
+                last = last or evaluate(trainer.model, val, cfg)
                 run.write_results(last.stats)
                 run.write_pictures(trainer.model, val, last.curves)
     return last.stats if last is not None else None
@@ -198,9 +196,7 @@ def end_epoch(trainer: Trainer, run: RunDirectory, progress: Progress, val):
     cfg, evaluation = trainer.cfg, None
     if val is not None and (progress.epoch + 1) % cfg.train.eval_every == 0:
         with trainer.evaluation_weights():
-            evaluation = evaluate(
-                trainer.model, val, evaluation_batch_size(cfg), cfg.data.num_workers, backend=cfg.evaluation.backend
-            )
+            evaluation = evaluate(trainer.model, val, cfg)
             run.draw_evaluation(trainer.model, val, evaluation.curves, progress.global_step)  # TensorBoard's
         stats = evaluation.stats
         run.print(f"epoch {progress.epoch}: AP {stats['AP']:.3f}, AP50 {stats['AP50']:.3f}")

@@ -2,6 +2,7 @@
 its key names (the decoder's separate q/k/v projections against one `in_proj`), its ResNet (timm's
 names, which are torchvision's, or transformers' own), its config.json and preprocessor_config.json."""
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -11,50 +12,61 @@ import numpy as np
 from ..errors import ConversionError
 from ..models.backbone import ARCHITECTURES
 
-_HF_RULES = [  # (pattern, replacement) on Hugging Face DeformableDetrForObjectDetection keys
-    (r"^model\.input_proj\.", "input_proj."),
-    (r"^model\.query_position_embeddings\.", "query_embed."),
-    (r"^model\.level_embed$", "transformer.level_embed"),
-    (r"^model\.(reference_points|enc_output|enc_output_norm|pos_trans|pos_trans_norm)\.", r"transformer.\1."),
-    (r"^model\.decoder\.(bbox_embed|class_embed)\.", r"transformer.decoder.\1."),
-    (r"^model\.encoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"transformer.encoder.layers.\1.norm1."),
-    (r"^model\.encoder\.layers\.(\d+)\.(?:mlp\.)?fc1\.", r"transformer.encoder.layers.\1.linear1."),
-    (r"^model\.encoder\.layers\.(\d+)\.(?:mlp\.)?fc2\.", r"transformer.encoder.layers.\1.linear2."),
-    (r"^model\.encoder\.layers\.(\d+)\.final_layer_norm\.", r"transformer.encoder.layers.\1.norm2."),
-    (r"^model\.encoder\.layers\.(\d+)\.self_attn\.", r"transformer.encoder.layers.\1.self_attn."),
-    (
-        r"^model\.decoder\.layers\.(\d+)\.self_attn\.(?:o_proj|out_proj)\.",
-        r"transformer.decoder.layers.\1.self_attn.out_proj.",
+# The key map, one table read both ways: (Hugging Face's `DeformableDetrForObjectDetection` prefix, as transformers
+# writes it (the Hub's layout), the authors'). A key takes the first row whose prefix it starts with, the rest of it
+# as it is. {i} stands for a number, the same on both sides; {s+1} for one more than the other side's {s}
+# (transformers counts ResNet stages and convolutions from 0, torchvision from 1).
+_LAYER_KEYS = {  # an encoder / decoder layer's parts: (transformers' name, the authors')
+    "encoder": [
+        ("self_attn_layer_norm", "norm1"),
+        ("fc1", "linear1"),
+        ("fc2", "linear2"),
+        ("final_layer_norm", "norm2"),
+        ("self_attn", "self_attn"),
+    ],
+    "decoder": [
+        ("self_attn.out_proj", "self_attn.out_proj"),  # q, k and v: split from / joined into in_proj (below)
+        ("self_attn_layer_norm", "norm2"),
+        ("encoder_attn", "cross_attn"),
+        ("encoder_attn_layer_norm", "norm1"),
+        ("fc1", "linear1"),
+        ("fc2", "linear2"),
+        ("final_layer_norm", "norm3"),
+    ],
+}
+_KEYS = [
+    ("model.backbone.conv_encoder.model.", "backbone.0.body."),  # the ResNet's own names: _RESNET_KEYS
+    ("model.input_proj.", "input_proj."),
+    ("model.query_position_embeddings.", "query_embed."),
+    ("model.level_embed", "transformer.level_embed"),
+    *(
+        (f"model.{part}.", f"transformer.{part}.")
+        for part in ("reference_points", "enc_output", "enc_output_norm", "pos_trans", "pos_trans_norm")
     ),
-    (r"^model\.decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"transformer.decoder.layers.\1.norm2."),
-    (r"^model\.decoder\.layers\.(\d+)\.encoder_attn\.", r"transformer.decoder.layers.\1.cross_attn."),
-    (r"^model\.decoder\.layers\.(\d+)\.encoder_attn_layer_norm\.", r"transformer.decoder.layers.\1.norm1."),
-    (r"^model\.decoder\.layers\.(\d+)\.(?:mlp\.)?fc1\.", r"transformer.decoder.layers.\1.linear1."),
-    (r"^model\.decoder\.layers\.(\d+)\.(?:mlp\.)?fc2\.", r"transformer.decoder.layers.\1.linear2."),
-    (r"^model\.decoder\.layers\.(\d+)\.final_layer_norm\.", r"transformer.decoder.layers.\1.norm3."),
-    (r"^(class_embed|bbox_embed)\.", r"\1."),
+    *((f"model.decoder.{head}.", f"transformer.decoder.{head}.") for head in ("bbox_embed", "class_embed")),
+    *(
+        (f"model.{stack}.layers.{{i}}.{theirs}.", f"transformer.{stack}.layers.{{i}}.{ours}.")
+        for stack, parts in _LAYER_KEYS.items()
+        for theirs, ours in parts
+    ),
+    ("class_embed.", "class_embed."),
+    ("bbox_embed.", "bbox_embed."),
 ]
-
-_HF_RESNET_RULES = [  # transformers' own ResNet -> torchvision names
-    (r"^embedder\.embedder\.convolution\.", "conv1."),
-    (r"^embedder\.embedder\.normalization\.", "bn1."),
-    (
-        r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.shortcut\.convolution\.",
-        lambda m: f"layer{int(m[1]) + 1}.{m[2]}.downsample.0.",
-    ),
-    (
-        r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.shortcut\.normalization\.",
-        lambda m: f"layer{int(m[1]) + 1}.{m[2]}.downsample.1.",
-    ),
-    (
-        r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.layer\.(\d+)\.convolution\.",
-        lambda m: f"layer{int(m[1]) + 1}.{m[2]}.conv{int(m[3]) + 1}.",
-    ),
-    (
-        r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.layer\.(\d+)\.normalization\.",
-        lambda m: f"layer{int(m[1]) + 1}.{m[2]}.bn{int(m[3]) + 1}.",
-    ),
+_RESNET_KEYS = [  # transformers' own ResNet, torchvision's (timm's names)
+    ("embedder.embedder.convolution.", "conv1."),
+    ("embedder.embedder.normalization.", "bn1."),
+    ("encoder.stages.{s}.layers.{b}.shortcut.convolution.", "layer{s+1}.{b}.downsample.0."),
+    ("encoder.stages.{s}.layers.{b}.shortcut.normalization.", "layer{s+1}.{b}.downsample.1."),
+    ("encoder.stages.{s}.layers.{b}.layer.{c}.convolution.", "layer{s+1}.{b}.conv{c+1}."),
+    ("encoder.stages.{s}.layers.{b}.layer.{c}.normalization.", "layer{s+1}.{b}.bn{c+1}."),
 ]
+_ALSO_READ = [  # names other transformers releases write -> the table's
+    (r"^model\.backbone\.model\.", "model.backbone.conv_encoder.model."),
+    (r"^(model\.(?:en|de)coder\.layers\.\d+\.)mlp\.(?=fc[12]\.)", r"\1"),
+    (r"^(model\.decoder\.layers\.\d+\.self_attn\.)o_proj\.", r"\1out_proj."),
+]
+_FIELD = re.compile(r"\{(\w)(\+1)?\}")
+_BODY = "backbone.0.body."
 
 
 def is_huggingface(state: dict) -> bool:
@@ -68,17 +80,19 @@ def huggingface_to_authors(state: dict, source: str = "checkpoint") -> dict:
     for key, value in state.items():
         if key.endswith("num_batches_tracked"):
             continue
-        backbone = re.match(r"^model\.backbone\.(?:conv_encoder\.)?model\.(.*)$", key)
-        if backbone:
-            out["backbone.0.body." + _rename(backbone[1], _HF_RESNET_RULES)] = value
-            continue
         projection = re.match(r"^model\.decoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$", key)
         if projection:
             qkv[(projection[1], projection[3], projection[2])] = value
             continue
-        renamed = _rename(key, _HF_RULES)
-        if renamed == key and not key.startswith(("class_embed.", "bbox_embed.")):
+        read = key
+        for pattern, replacement in _ALSO_READ:
+            read = re.sub(pattern, replacement, read)
+        renamed = _rename(read, _KEYS, to_authors=True)
+        if renamed is None:
             raise ConversionError(f"{source}: unknown key {key}")
+        if renamed.startswith(_BODY):
+            body = renamed.removeprefix(_BODY)
+            renamed = _BODY + (_rename(body, _RESNET_KEYS, to_authors=True) or body)
         out[renamed] = value
     for layer, kind in sorted({(layer, kind) for layer, kind, _ in qkv}):
         parts = [qkv.get((layer, kind, p)) for p in "qkv"]
@@ -89,12 +103,33 @@ def huggingface_to_authors(state: dict, source: str = "checkpoint") -> dict:
     return out
 
 
-def _rename(key: str, rules) -> str:
-    for pattern, replacement in rules:
-        renamed, count = re.subn(pattern, replacement, key)
-        if count:
-            return renamed
-    return key
+def _rename(key: str, table: list, to_authors: bool) -> str | None:
+    """`key` renamed by the first row of `table` whose prefix (Hugging Face's side, or the authors' with
+    `to_authors` False) it starts with; None where none does."""
+    for row in table:
+        source, target = row if to_authors else row[::-1]
+        pattern, offsets = _prefix(source)
+        found = pattern.match(key)
+        if found:
+            numbers = {name: int(found[name]) - offset for name, offset in offsets.items()}
+            return _filled(target, numbers) + key[found.end() :]
+    return None
+
+
+def _filled(template: str, numbers: dict) -> str:
+    """A row's prefix with its fields' numbers written in: {n} as n, {n+1} as one more."""
+    return _FIELD.sub(lambda field: str(numbers[field[1]] + (1 if field[2] else 0)), template)
+
+
+@functools.cache
+def _prefix(template: str) -> tuple:
+    """A row's prefix -> (its regex, {field: what its number adds}): each {n} or {n+1} a number."""
+    parts = _FIELD.split(template)  # literal, (field, "+1" or None, literal)...
+    regex, offsets = re.escape(parts[0]), {}
+    for name, plus, literal in zip(parts[1::3], parts[2::3], parts[3::3], strict=True):
+        regex += rf"(?P<{name}>\d+)" + re.escape(literal)
+        offsets[name] = 1 if plus else 0
+    return re.compile(regex), offsets
 
 
 def read_config(src: Path) -> dict:
@@ -126,47 +161,6 @@ def untie_heads(state: dict, config: dict) -> dict:
     return state
 
 
-_TO_HUGGINGFACE = [  # the authors' keys -> Hugging Face's, as transformers writes them (the Hub's layout)
-    (r"^backbone\.0\.body\.", "model.backbone.conv_encoder.model."),
-    (r"^input_proj\.", "model.input_proj."),
-    (r"^query_embed\.", "model.query_position_embeddings."),
-    (r"^transformer\.level_embed$", "model.level_embed"),
-    (r"^transformer\.(reference_points|enc_output|enc_output_norm|pos_trans|pos_trans_norm)\.", r"model.\1."),
-    (r"^transformer\.decoder\.(bbox_embed|class_embed)\.", r"model.decoder.\1."),
-    (r"^transformer\.encoder\.layers\.(\d+)\.norm1\.", r"model.encoder.layers.\1.self_attn_layer_norm."),
-    (r"^transformer\.encoder\.layers\.(\d+)\.linear(\d)\.", r"model.encoder.layers.\1.fc\2."),
-    (r"^transformer\.encoder\.layers\.(\d+)\.norm2\.", r"model.encoder.layers.\1.final_layer_norm."),
-    (r"^transformer\.encoder\.layers\.(\d+)\.self_attn\.", r"model.encoder.layers.\1.self_attn."),
-    (r"^transformer\.decoder\.layers\.(\d+)\.self_attn\.out_proj\.", r"model.decoder.layers.\1.self_attn.out_proj."),
-    (r"^transformer\.decoder\.layers\.(\d+)\.norm2\.", r"model.decoder.layers.\1.self_attn_layer_norm."),
-    (r"^transformer\.decoder\.layers\.(\d+)\.cross_attn\.", r"model.decoder.layers.\1.encoder_attn."),
-    (r"^transformer\.decoder\.layers\.(\d+)\.norm1\.", r"model.decoder.layers.\1.encoder_attn_layer_norm."),
-    (r"^transformer\.decoder\.layers\.(\d+)\.linear(\d)\.", r"model.decoder.layers.\1.fc\2."),
-    (r"^transformer\.decoder\.layers\.(\d+)\.norm3\.", r"model.decoder.layers.\1.final_layer_norm."),
-]
-
-_TO_TRANSFORMERS_RESNET = [  # torchvision / timm ResNet names -> transformers' own ResNet's
-    (r"^conv1\.", "embedder.embedder.convolution."),
-    (r"^bn1\.", "embedder.embedder.normalization."),
-    (
-        r"^layer(\d)\.(\d+)\.downsample\.0\.",
-        lambda m: f"encoder.stages.{int(m[1]) - 1}.layers.{m[2]}.shortcut.convolution.",
-    ),
-    (
-        r"^layer(\d)\.(\d+)\.downsample\.1\.",
-        lambda m: f"encoder.stages.{int(m[1]) - 1}.layers.{m[2]}.shortcut.normalization.",
-    ),
-    (
-        r"^layer(\d)\.(\d+)\.conv(\d)\.",
-        lambda m: f"encoder.stages.{int(m[1]) - 1}.layers.{m[2]}.layer.{int(m[3]) - 1}.convolution.",
-    ),
-    (
-        r"^layer(\d)\.(\d+)\.bn(\d)\.",
-        lambda m: f"encoder.stages.{int(m[1]) - 1}.layers.{m[2]}.layer.{int(m[3]) - 1}.normalization.",
-    ),
-]
-
-
 def to_huggingface(state: dict, backbone: str) -> dict:
     """The authors' state_dict (numpy, tied keys restored) -> `DeformableDetrForObjectDetection`'s,
     the ResNet under timm's names (torchvision's) or transformers' own ResNet's."""
@@ -177,12 +171,12 @@ def to_huggingface(state: dict, backbone: str) -> dict:
             for name, part in zip("qkv", np.split(value, 3), strict=True):
                 out[f"model.decoder.layers.{layer[1]}.self_attn.{name}_proj.{layer[2]}"] = part
             continue
-        body = re.match(r"^backbone\.0\.body\.(.*)$", key)
-        if body and backbone == "transformers":
-            out["model.backbone.conv_encoder.model." + _rename(body[1], _TO_TRANSFORMERS_RESNET)] = value
-            continue
-        renamed = _rename(key, _TO_HUGGINGFACE)
-        if renamed == key and not key.startswith(("class_embed.", "bbox_embed.")):
+        written = key
+        if backbone == "transformers" and key.startswith(_BODY):
+            body = key.removeprefix(_BODY)
+            written = _BODY + (_rename(body, _RESNET_KEYS, to_authors=False) or body)
+        renamed = _rename(written, _KEYS, to_authors=False)
+        if renamed is None:
             raise ConversionError(f"{key}: no Hugging Face name for it")
         out[renamed] = value
     return out
