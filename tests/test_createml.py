@@ -8,7 +8,6 @@ import shutil
 
 from deformable_detr.check import main as check_main
 from deformable_detr.data import build_dataset, num_classes_for
-from deformable_detr.data.classes import match_classes, to_dataset_classes
 from deformable_detr.data.shapes import CATEGORIES, generate
 from deformable_detr.inference.evaluation import STAT_NAMES
 
@@ -16,8 +15,7 @@ import numpy as np
 import pytest
 from dataset_writers import write_createml
 from PIL import Image
-from test_evaluate import coco_stats
-from test_formats import SIZES, assert_same_targets, by_class_name, data_cfg, jittered_detections
+from test_formats import SIZES, assert_same_targets, assert_scores_alike_through_the_class_map, by_class_name, data_cfg
 from test_train import TINY
 
 import eval as eval_script
@@ -155,17 +153,9 @@ def test_evaluate_names_the_json_file_given_for_the_folder(sets, coco_model, tmp
 def test_jittered_detections_score_alike_through_the_class_map(sets):
     """A non-trivial AP (0 < AP < 1): COCO-id detections mapped by name score on the Create ML ground
     truth what they score on the COCO file's, to 1e-12 (pycocotools on both); taken as they are, lower."""
-    coco, createml = (build_dataset("val", data_cfg(k, sets[k])) for k in ("coco", "createml"))
-    detections = jittered_detections(coco.coco)
-    want = coco_stats(coco.coco, [dict(d) for d in detections], verbose=False, backend="pycocotools")
-    assert 0.1 < want["AP"] < 0.9
-    class_map = match_classes(coco.class_names(), createml.class_names())
-    got = coco_stats(createml.coco, to_dataset_classes(detections, class_map), verbose=False, backend="pycocotools")
-    for name in STAT_NAMES:
-        assert got[name] == pytest.approx(want[name], abs=1e-12), name
-    assert got["per_class"] == want["per_class"]
-    unmapped = coco_stats(createml.coco, [dict(d) for d in detections], verbose=False, backend="pycocotools")
-    assert unmapped["AP"] < want["AP"] - 0.1
+    assert_scores_alike_through_the_class_map(
+        *(build_dataset("val", data_cfg(k, sets[k])) for k in ("coco", "createml"))
+    )
 
 
 def spoil(change):
