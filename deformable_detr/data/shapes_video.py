@@ -80,50 +80,64 @@ def make_video(
     low, high = np.zeros((objects, 2)), (frame - extent).astype(np.float64)
     away = np.zeros(objects, bool)
     areas = [_shape_area(categories[k], int(s)) for k, s in zip(kinds, sides, strict=True)]
+    shapes = [  # (category id, name, side, colour, area) of each object
+        (int(k) + 1, categories[k], int(side), colour, area)
+        for k, side, colour, area in zip(kinds, sides, colours, areas, strict=True)
+    ]
+    walls = (low, high, away)
     video, truth = [], []
     for _ in range(frames):
-        corners = np.round(position).astype(int)
-        image = Image.fromarray((background + rng.normal(0, 3, background.shape)).clip(0, 255).astype(np.uint8))
-        pen, ids = ImageDraw.Draw(image), Image.new("L", size, 0)
-        id_pen = ImageDraw.Draw(ids)
-        for i in range(objects):  # object 1 farthest, the last nearest: the later hide the earlier
-            x, y = (int(v) for v in corners[i])
-            _draw_shape(pen, categories[kinds[i]], x, y, int(sides[i]), colours[i])
-            _draw_shape(id_pen, categories[kinds[i]], x, y, int(sides[i]), i + 1)
-        seen = np.bincount(np.asarray(ids).ravel(), minlength=objects + 1)
-        objects_seen = []
-        for i in range(objects):
-            x, y = (int(v) for v in corners[i])
-            box = [max(x, 0), max(y, 0), min(x + int(extent[i, 0]), width), min(y + int(extent[i, 0]), height)]
-            if box[0] >= box[2] or box[1] >= box[3]:
-                continue  # wholly outside the frame
-            objects_seen.append(
-                {
-                    "id": i + 1,
-                    "category_id": int(kinds[i]) + 1,
-                    "name": categories[kinds[i]],
-                    "box": box,
-                    "visibility": round(float(seen[i + 1] / areas[i]), 3),
-                }
-            )
+        image, seen = _frame(rng, background, np.round(position).astype(int), shapes)
         video.append(image)
-        truth.append(objects_seen)
-        # a little random acceleration, the speed kept in range
-        velocity += rng.normal(0, 0.06, velocity.shape)
-        norm = np.linalg.norm(velocity, axis=1, keepdims=True)
-        velocity *= np.clip(norm, *speed) / np.maximum(norm, 1e-9)
-        position += velocity
-        for i, axis in zip(*np.nonzero((position < low) | (position > high)), strict=True):
-            if not away[i] and rng.uniform() < leave:  # through the edge: the wall moves out beyond it
-                away[i] = True
-                beyond = extent[i, 0] + rng.uniform(4, margin)
-                low[i], high[i] = -beyond, frame - extent[i] + beyond
-                continue
-            velocity[i, axis] = -velocity[i, axis]
-            position[i, axis] = np.clip(position[i, axis], low[i, axis], high[i, axis])
-        back = away & np.all((position >= 0) & (position <= frame - extent), axis=1)
-        low[back], high[back], away[back] = 0, (frame - extent)[back], False  # wholly in again: the edges
+        truth.append(seen)
+        _move(rng, position, velocity, walls, frame, extent, speed, leave, margin)
     return ShapesVideo(video, truth, fps, seed)
+
+
+def _frame(rng, background, corners, shapes: list) -> tuple:
+    """One frame: the shapes (category id, name, side, colour, area) drawn at `corners` over `background` with fresh
+    noise, object 1 farthest -> (the image, the ground truth of the objects at least partly in it)."""
+    height, width = background.shape[:2]
+    image = Image.fromarray((background + rng.normal(0, 3, background.shape)).clip(0, 255).astype(np.uint8))
+    pen, ids = ImageDraw.Draw(image), Image.new("L", (width, height), 0)
+    id_pen = ImageDraw.Draw(ids)
+    for i, (_, name, side, colour, _) in enumerate(shapes):  # the later hide the earlier
+        x, y = (int(v) for v in corners[i])
+        _draw_shape(pen, name, x, y, side, colour)
+        _draw_shape(id_pen, name, x, y, side, i + 1)
+    seen = np.bincount(np.asarray(ids).ravel(), minlength=len(shapes) + 1)
+    objects_seen = []
+    for i, (category_id, name, side, _, area) in enumerate(shapes):
+        x, y = (int(v) for v in corners[i])
+        box = [max(x, 0), max(y, 0), min(x + side + 1, width), min(y + side + 1, height)]
+        if box[0] >= box[2] or box[1] >= box[3]:
+            continue  # wholly outside the frame
+        visibility = round(float(seen[i + 1] / area), 3)
+        objects_seen.append(
+            {"id": i + 1, "category_id": category_id, "name": name, "box": box, "visibility": visibility}
+        )
+    return image, objects_seen
+
+
+def _move(rng, position, velocity, walls, frame, extent, speed, leave, margin):
+    """One frame's motion, in place: a little random acceleration (the speed kept in range), a bounce
+    off each wall met, or with chance `leave` through the frame's edge (the wall moved out beyond it),
+    and the edges as walls again once a shape that left is wholly back in."""
+    low, high, away = walls
+    velocity += rng.normal(0, 0.06, velocity.shape)
+    norm = np.linalg.norm(velocity, axis=1, keepdims=True)
+    velocity *= np.clip(norm, *speed) / np.maximum(norm, 1e-9)
+    position += velocity
+    for i, axis in zip(*np.nonzero((position < low) | (position > high)), strict=True):
+        if not away[i] and rng.uniform() < leave:
+            away[i] = True
+            beyond = extent[i, 0] + rng.uniform(4, margin)
+            low[i], high[i] = -beyond, frame - extent[i] + beyond
+            continue
+        velocity[i, axis] = -velocity[i, axis]
+        position[i, axis] = np.clip(position[i, axis], low[i, axis], high[i, axis])
+    back = away & np.all((position >= 0) & (position <= frame - extent), axis=1)
+    low[back], high[back], away[back] = 0, (frame - extent)[back], False
 
 
 def _shape_area(kind: str, side: int) -> int:
