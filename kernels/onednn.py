@@ -3,23 +3,31 @@ OpenVINO and TensorFlow on x86 CPUs): `conv2d` and `linear`, as MLX operations w
 (C++ `Primitive`s of `kernels._onednn`, built from native/onednn.cpp where oneDNN's headers were there).
 
 Why: MLX's CPU back-end runs a convolution as im2col + one sgemm and has no fast bfloat16 product (a
-bf16 2048^2 product takes 3.9 s, f32 0.19 s). oneDNN's JIT kernels use blocked layouts, AVX-512 and,
-for bfloat16, AVX512-BF16 and AMX: the R50 backbone's convolutions at 800 x 1066 took 660 ms at float32
-and 374 ms with bfloat16 products on an AMD EPYC Zen 4, 2 threads (bench/onednn_device/, 2026-12-04);
-the whole R50 inference 2.05 / 1.39 s against 2.44 s before (bench/README.md#onednn).
+bf16 2048^2 product takes 3.9 s, f32 0.19 s). oneDNN's JIT kernels use blocked layouts, AVX2, AVX-512
+and, for bfloat16, AVX512-BF16 and AMX (bench/README.md#onednn has the measurements).
 
 Precision: products in bfloat16 (float32 accumulation) inside `products_in(mx.bfloat16)` or where
 either operand is bfloat16, float32 otherwise; the result in the first operand's dtype. So float32
 activations and weights inside `products_in(mx.bfloat16)` give float32 results computed with bfloat16
-products (`--precision bfloat16` at inference: no bfloat16 copy of the weights is kept, the
-convolutions' weights are reordered into oneDNN's layout at every call anyway), and bfloat16
-activations give bfloat16 results (`train.precision: bfloat16`).
+products (`--precision bfloat16` at inference), and bfloat16 activations give bfloat16 results
+(`train.precision: bfloat16`). Whether bfloat16 is fast here is oneDNN's own answer
+(`bfloat16_kernels`: AMX or AVX512-BF16 kernels; kernels.precision decides from it).
+
+Memory: each shape's primitives (a plan) are kept in a least-recently-used cache of
+DEFORMABLE_DETR_ONEDNN_PLANS plans of each kind (default 512; oneDNN's own primitive cache the same),
+their scratchpads allocated for a call only; inside `products_in(..., keep_weights=True)`
+(a Detector's forwards) the weights' copies in oneDNN's layouts are kept, at most
+DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB MiB (default 512). Before, a process grew by every new image shape's
+primitives without bound (46 MiB a shape in R50 training on AVX2; bench/shape_memory.py).
 
 Where it is not used: off the CPU (Metal on a Mac keeps MLX's kernels), in `export_mode()` (an
 exported file holds MLX ops), where the extension or the library is missing (one line on stderr, once,
-on x86-64 Linux, where it is expected), where oneDNN has only its reference loops for a shape (bfloat16
-on a CPU without AVX-512), or with DEFORMABLE_DETR_ONEDNN=0. Then `conv2d` and `linear` answer None and
-the caller computes as before: the same answers, up to float32 rounding.
+on x86-64 Linux, where it is expected), or with DEFORMABLE_DETR_ONEDNN=0: `conv2d` and `linear` answer
+None and the caller computes as before, the same answers up to float32 rounding. They also answer None
+for a shape where oneDNN has only its reference loops or its im2col + GEMM (bfloat16 on AVX2, a 7 x 7 stem
+on a one-pixel-wide image), remembered per shape: the caller's own fast path computes it
+(models/backbone.py's patches). Where only a backward pass is refused (on AVX2 a strided 1 x 1 of an odd
+size, a dilated 3 x 3), the forward stays oneDNN's and the VJP takes the patches' way, in C++.
 
 The library: PyPI's `onednn-cpu-gomp` 2023.2.0 (oneDNN 3.2, CPU only, on GNU OpenMP; 39 MB to download),
 a dependency on x86-64 Linux (pyproject.toml says why not the 2026 wheel). Its OpenMP threads are
@@ -43,6 +51,10 @@ from .cpu import threads
 from .export import exporting
 
 VARIABLE = "DEFORMABLE_DETR_ONEDNN"
+# The caches' capacities (native/onednn.cpp): plans (a shape's primitives) of each kind, and MiB of kept
+# weight copies (inference); oneDNN's own primitive cache gets the plans' capacity.
+PLANS_VARIABLE, PLANS = "DEFORMABLE_DETR_ONEDNN_PLANS", 512
+WEIGHTS_VARIABLE, WEIGHTS_MIB = "DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB", 512
 DISTRIBUTION = "onednn-cpu-gomp"
 EXPECTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
@@ -74,7 +86,17 @@ def _load():
         return None, f"kernels._onednn cannot be loaded ({error}); reinstalling the package builds it"
     if module.mlx_version != mx.__version__:
         return None, f"kernels._onednn was built against MLX {module.mlx_version}, not {mx.__version__}"
+    module.set_capacity(_whole_number(PLANS_VARIABLE, PLANS), _whole_number(WEIGHTS_VARIABLE, WEIGHTS_MIB) << 20)
     return module, None
+
+
+def _whole_number(variable: str, default: int) -> int:
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"{variable}={text}: expected a whole number >= 0 (default {default})")
+    return int(text)
 
 
 def module():
@@ -110,16 +132,20 @@ def _usable(*arrays):
     return extension
 
 
-_products = ContextVar("kernels_onednn_products", default=mx.float32)
+_products = ContextVar("kernels_onednn_products", default=(mx.float32, False))
 
 
 @contextmanager
-def products_in(dtype):
+def products_in(dtype, keep_weights: bool | None = None):
     """Inside, `conv2d` and `linear` of float32 operands run their products in `dtype` (bfloat16 or
-    float32), their results still float32; read when an operation is built (as `export_mode`)."""
+    float32), their results still float32; read when an operation is built (as `export_mode`).
+    `keep_weights`: the weights do not change inside (a model being evaluated), so the copies of them
+    that oneDNN's kernels need (a convolution's weight in its blocked layout, a bfloat16 copy) are kept
+    rather than made at every call (native/onednn.cpp: at most DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB);
+    None: as outside."""
     if dtype not in (mx.float32, mx.bfloat16):
         raise ValueError(f"products_in: bfloat16 or float32, not {dtype}")
-    token = _products.set(dtype)
+    token = _products.set((dtype, _products.get()[1] if keep_weights is None else keep_weights))
     try:
         yield
     finally:
@@ -128,44 +154,42 @@ def products_in(dtype):
 
 def products() -> mx.Dtype:
     """The dtype `products_in` asks for here (float32 outside it)."""
-    return _products.get()
-
-
-# Shapes oneDNN refused (only its reference loops): computed with MLX from then on, without asking again.
-_refused: set = set()
+    return _products.get()[0]
 
 
 def conv2d(x: mx.array, weight: mx.array, stride: int = 1, padding: int = 0, dilation: int = 1):
     """`mx.conv2d(x, weight, stride, padding, dilation)` (x (N, H, W, C), weight (O, k, k, C)) on oneDNN,
-    differentiable w.r.t. both, in x's dtype; or None where oneDNN is not used (see the module)."""
+    differentiable w.r.t. both, in x's dtype; or None where oneDNN is not used (see the module) or has
+    no fast kernel for this shape (remembered per shape): the caller then computes it its own way. Where
+    it has a fast forward but no fast backward pass, the gradients are the patches' (im2col and col2im
+    on every core, as models/backbone.py's own convolution takes them)."""
     extension = _usable(x, weight)
-    bfloat16 = products() == mx.bfloat16
-    key = ("conv", x.shape, weight.shape, x.dtype, weight.dtype, stride, padding, dilation, bfloat16)
-    if extension is None or key in _refused:
+    if extension is None:
         return None
-    try:
-        return extension.conv2d(x, weight, stride, padding, dilation, bfloat16, threads())
-    except RuntimeError:  # only oneDNN's reference loops for it
-        _refused.add(key)
-        return None
+    dtype, keep = _products.get()
+    return extension.conv2d(x, weight, stride, padding, dilation, dtype == mx.bfloat16, keep, threads())
 
 
 def linear(x: mx.array, weight: mx.array, bias=None):
     """x @ weight.T + bias (x (..., in), weight (out, in), bias (out,) or None) on oneDNN, differentiable
-    w.r.t. all three, in x's dtype; or None where oneDNN is not used (see the module)."""
+    w.r.t. all three, in x's dtype; or None where oneDNN is not used (see the module) or has no fast
+    kernel for it (remembered per shape)."""
     operands = (x, weight) if bias is None else (x, weight, bias)
     extension = _usable(*operands)
-    bfloat16 = products() == mx.bfloat16
-    key = ("linear", x.shape, weight.shape, x.dtype, weight.dtype, bias is None or bias.dtype, bfloat16)
-    if extension is None or key in _refused or x.ndim == 0 or (bias is not None and bias.ndim != 1):
+    if extension is None or x.ndim == 0 or (bias is not None and bias.ndim != 1):
         return None
+    dtype, keep = _products.get()
     flat = x.reshape(-1, x.shape[-1])
-    try:
-        y = extension.product(flat, weight, bias, False, True, bfloat16, threads())
-    except RuntimeError:
-        _refused.add(key)
-        return None
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    y = extension.product(flat, weight, bias, False, True, dtype == mx.bfloat16, keep, threads())
+    return None if y is None else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def caches() -> dict:
+    """What the extension keeps: {"convolutions", "products": plans (a shape's primitives), "capacity":
+    of each kind; "weights", "weight_bytes": kept weight copies and their size, "weight_capacity"};
+    {} where oneDNN is not used."""
+    extension = module()
+    return {} if extension is None else dict(extension.caches())
 
 
 BFLOAT16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -180,3 +204,25 @@ def bfloat16_instructions() -> list[str]:
     except OSError:
         return []
     return [flag for flag in BFLOAT16_FLAGS if flag in flags]
+
+
+@cache
+def bfloat16_kernels() -> str | None:
+    """Why oneDNN has no fast bfloat16 products here, or None where it has: asked of oneDNN itself (the
+    kernel it picks for a bfloat16 convolution), so that ONEDNN_MAX_CPU_ISA's cap counts. Fast: AMX or
+    AVX512-BF16 kernels (an ISA named ..._bf16 or ..._amx); not: none at all (AVX2: oneDNN 3.2 refuses
+    bfloat16 convolutions) or AVX-512 emulating bfloat16 (`jit_bf16:avx512_core`, slower than float32)."""
+    extension = module()
+    if extension is None:
+        return f"oneDNN is {describe()}"
+    x, weight = mx.zeros((1, 8, 8, 32)), mx.zeros((32, 3, 3, 32))
+    kernel = extension.conv2d_implementation(x, weight, 1, 1, 1, True)
+    isa = kernel.rsplit(":", 1)[-1]
+    if not kernel.startswith("refused") and ("bf16" in isa or "amx" in isa):
+        return None
+    has = bfloat16_instructions()
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    if has and capped:
+        return f"ONEDNN_MAX_CPU_ISA={capped} keeps oneDNN from this CPU's {', '.join(has)}"
+    what = "none" if kernel.startswith("refused") else f"only {kernel}, which emulates bfloat16"
+    return f"this CPU has no bfloat16 product instructions (AVX512-BF16, AMX): oneDNN has {what} for them"

@@ -32,7 +32,7 @@ def test_conv_equals_mlx_conv_with_gradients(kernel, stride, dilation, size, bia
     if engine == "onednn" and kernels.onednn.module() is None:
         pytest.skip(f"oneDNN: {kernels.onednn.missing()}")
     if engine == "products":
-        monkeypatch.setattr(kernels.onednn, "conv2d", lambda *args: None)
+        monkeypatch.setattr(kernels.onednn, "conv2d", lambda *args, **kwargs: None)
     padding = dilation * (kernel // 2)
     conv = Conv2d(5, 4, kernel, stride=stride, padding=padding, dilation=dilation, bias=bias)
     if bias:

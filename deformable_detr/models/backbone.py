@@ -31,7 +31,9 @@ class Conv2d(nn.Conv2d):
     convolution builds the same patches in general copies on one thread before the same GEMM, takes
     its generic loop at dilation > 1 (about 70x slower, kernels/patches.py), and its gradient w.r.t. a
     strided convolution's input runs about 50x slower than the convolution. Outputs are MLX's bit for
-    bit at dilation 1, gradients to float32 rounding (bench/conv.py). In `kernels.export_mode()` it is
+    bit at dilation 1, gradients to float32 rounding (bench/conv.py). On x86-64 Linux oneDNN computes it
+    (kernels.onednn) where it has fast kernels for the shape, the patches where it has not (remembered per
+    shape; a backward pass oneDNN has no fast kernel for is the patches' too). In `kernels.export_mode()` it is
     `nn.Conv2d` (`mx.conv2d`): an exported file runs on any device, and the custom VJP below would not
     serialize."""
 

@@ -6,18 +6,34 @@
 // either operand is bfloat16, in float32 otherwise; an operand of the other dtype is converted on the
 // way in (a oneDNN reorder on every core, into a scratch buffer; a convolution's weight is reordered
 // anyway). The result has the first operand's dtype (x's, a's): float32 operands with bfloat16 products
-// give a float32 result, and no bfloat16 copy of a weight is kept.
+// give a float32 result, and no bfloat16 copy of a weight is kept (but by `keep_weight`, below).
+//
+// Plans: each shape's primitives (a convolution's forward, and backward data and weights where asked;
+// a product's) are made once, on the caller's thread while the graph is built, and kept in a
+// least-recently-used cache of `plan_capacity()` plans (DEFORMABLE_DETR_ONEDNN_PLANS, default 512);
+// oneDNN's own primitive cache, which holds the same JIT code, gets the same capacity. A shape oneDNN
+// has no fast implementation for is remembered in the same cache as refused, with why: the caller
+// gets None and computes it its own way, without oneDNN being asked again. Every primitive gets its
+// scratchpad for the call only (`scratchpad_mode::user`; 11 MB at most in R50's step): oneDNN's default gives
+// each primitive its own for its lifetime (tens of MB for a backward-weights pass on AVX2), which made
+// the process grow by each shape's plans (issue 61: 46 MiB a shape in R50 training).
 //
 // Weights: a convolution's (O, kh, kw, C) weight is reordered into the layout oneDNN's kernel chose
-// (`format_tag::any`; a plain one makes oneDNN 3.2 take its reference loops, 100x slower) at every
-// evaluation: about 2% of an R50 forward, and always right, whatever the weight's version.
+// (`format_tag::any`; a plain one makes oneDNN 3.2 take its reference loops, 100x slower). With
+// `keep_weight` (the model in evaluation mode: its weights do not change) the reordered copy (and a
+// product's converted one) is kept, keyed by the weight's buffer, which is held so that MLX can
+// neither free nor reuse it while the copy is kept; at most `kept_weight_bytes()` of copies
+// (DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB, default 512), least recently used out first. Otherwise it is
+// reordered at every evaluation (about 2% of an R50 forward), always right whatever the weight's version.
 //
 // Threads: oneDNN's OpenMP team, `threads` wide, set on MLX's stream thread before each call.
 
 #include <omp.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <functional>
-#include <map>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -32,6 +48,7 @@
 #include "oneapi/dnnl/dnnl.hpp"
 
 #include "dispatch.h"
+#include "ops.h"  // patches, unpatches: the backward where oneDNN has no fast one
 
 namespace kernels_onednn {
 
@@ -41,9 +58,9 @@ using tag = dnnl::memory::format_tag;
 using dt = dnnl::memory::data_type;
 using dims = dnnl::memory::dims;
 
-// The product's VJP makes products.
-array product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a, bool transpose_b,
-              bool bfloat16, int threads);
+// The product's VJP makes products (never refused: the forward's plan was made for these dtypes).
+array product_or_throw(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
+                       bool transpose_b, bool bfloat16, int threads);
 
 namespace {
 
@@ -63,17 +80,59 @@ dt dnnl_type(mx::Dtype type) {
   throw std::invalid_argument("kernels._onednn: float32 or bfloat16 only");
 }
 
-// Refuses oneDNN's reference loops (`ref:any`, `gemm:ref`): where they are all oneDNN has for a shape
-// and dtype (bfloat16 on a CPU without AVX-512), the caller computes with MLX instead. A convolution
+// Every primitive's attributes: the scratchpad is the caller's, for one call (see the top).
+const dnnl::primitive_attr& attributes() {
+  static const dnnl::primitive_attr attr = [] {
+    dnnl::primitive_attr a;
+    a.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    return a;
+  }();
+  return attr;
+}
+
+// Why oneDNN's choice for a primitive is refused, or "" where it is fast: its reference loops (`ref:any`,
+// `gemm:ref`) are all it has for a shape and dtype (bfloat16 on a CPU without AVX-512); a convolution
 // also refuses oneDNN's im2col + GEMM (`gemm:jit`, taken for narrow images: a 7 x 7 stem on a 1 or 2
 // pixel wide input), which crashed there (oneDNN 3.2) and is what the caller's own path does anyway.
 template <typename Desc>
-void require_fast(const Desc& pd, const std::string& what, bool convolution = false) {
+std::string refusal(const Desc& pd, const std::string& what, bool convolution = false) {
   const std::string impl = pd.impl_info_str();
   if (impl.find("ref") != std::string::npos || (convolution && impl.find("gemm") != std::string::npos)) {
-    throw std::runtime_error("kernels._onednn: " + what + " has only oneDNN's reference implementation here (" +
-                             impl + ")");
+    return what + " has no fast oneDNN kernel here (only " + impl + ")";
   }
+  return "";
+}
+
+// A primitive's scratchpad, for one call: from malloc, as oneDNN's own, not MLX's allocator, so that MLX's
+// peak stays its arrays' (training/memory_plan.py extrapolates it over images, which a scratchpad of a
+// thread count's reduction buffers is not); freed, glibc's heap keeps it for the next call (runtime.py).
+class Scratchpad {
+ public:
+  Scratchpad(const dnnl::memory::desc& desc, std::unordered_map<int, dnnl::memory>& args) {
+    const size_t size = desc.get_size();
+    if (size == 0) return;
+    data_.reset(static_cast<char*>(std::aligned_alloc(64, (size + 63) / 64 * 64)));
+    if (!data_) throw std::bad_alloc();
+    args.insert({DNNL_ARG_SCRATCHPAD, dnnl::memory(desc, engine(), data_.get())});
+  }
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::unique_ptr<char, Free> data_;
+};
+
+std::atomic<size_t> largest_scratchpad{0};  // caches()' "largest_scratchpad": the most a call has needed
+
+void execute(const dnnl::primitive& primitive, const dnnl::memory::desc& scratchpad,
+             std::unordered_map<int, dnnl::memory> args) {
+  for (size_t seen = largest_scratchpad.load(); scratchpad.get_size() > seen;) {
+    if (largest_scratchpad.compare_exchange_weak(seen, scratchpad.get_size())) break;
+  }
+  Scratchpad held(scratchpad, args);
+  primitive.execute(stream_here(), args);
+  stream_here().wait();
 }
 
 // `user` (a plain buffer of `user_desc`) as `wanted`: the same memory where the descriptions agree, else
@@ -87,6 +146,130 @@ dnnl::memory as_wanted(const dnnl::memory::desc& user_desc, const void* data, co
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The caches: plans by shape (count), kept weights by buffer (bytes); least recently used out first.
+
+size_t& plan_capacity_value() {
+  static size_t capacity = 512;  // kernels/onednn.py sets DEFORMABLE_DETR_ONEDNN_PLANS' value
+  return capacity;
+}
+
+template <typename Plan>
+class Plans {
+ public:
+  // The plan of `key`, made by `make` where it is not kept (then the least recently used goes where
+  // there are more than the capacity).
+  std::shared_ptr<Plan> get(const std::string& key, const std::function<std::shared_ptr<Plan>()>& make) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto found = index_.find(key); found != index_.end()) {
+      order_.splice(order_.begin(), order_, found->second);
+      return found->second->second;
+    }
+    auto plan = make();
+    order_.emplace_front(key, plan);
+    index_[key] = order_.begin();
+    trim();
+    return plan;
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return order_.size();
+  }
+  void shrink() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    trim();
+  }
+
+ private:
+  void trim() {
+    while (order_.size() > plan_capacity_value()) {
+      index_.erase(order_.back().first);
+      order_.pop_back();  // a Primitive still in a graph holds its plan until it is done
+    }
+  }
+  std::list<std::pair<std::string, std::shared_ptr<Plan>>> order_;
+  std::unordered_map<std::string, typename decltype(order_)::iterator> index_;
+  std::mutex mutex_;
+};
+
+size_t& kept_weight_capacity() {
+  static size_t bytes = size_t(512) << 20;  // kernels/onednn.py sets DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB's
+  return bytes;
+}
+
+// Weights in the layout and dtype a primitive wants, by the weight's buffer and that layout.
+class KeptWeights {
+ public:
+  dnnl::memory get(const std::shared_ptr<mx::array::Data>& source, const void* data,
+                   const dnnl::memory::desc& plain, const dnnl::memory::desc& wanted) {
+    if (plain == wanted) return dnnl::memory(plain, engine(), const_cast<void*>(data));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto entry = order_.begin(); entry != order_.end(); ++entry) {
+        if (entry->source == source && entry->data == data && entry->copy.get_desc() == wanted) {
+          order_.splice(order_.begin(), order_, entry);
+          return order_.front().copy;
+        }
+      }
+    }
+    dnnl::memory copy = as_wanted(plain, data, wanted);
+    const size_t bytes = wanted.get_size();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (bytes <= kept_weight_capacity()) {
+      order_.push_front(Entry{source, data, copy, bytes});
+      bytes_ += bytes;
+      trim();
+    }
+    return copy;
+  }
+  std::pair<size_t, size_t> size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {order_.size(), bytes_};
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    order_.clear();
+    bytes_ = 0;
+  }
+  void shrink() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    trim();
+  }
+
+ private:
+  struct Entry {
+    std::shared_ptr<mx::array::Data> source;  // held: MLX neither frees nor donates the weight's buffer
+    const void* data;
+    dnnl::memory copy;
+    size_t bytes;
+  };
+  void trim() {
+    while (bytes_ > kept_weight_capacity()) {
+      bytes_ -= order_.back().bytes;
+      order_.pop_back();
+    }
+  }
+  std::list<Entry> order_;  // a model's few dozen weights: a list is fast enough to search
+  size_t bytes_ = 0;
+  std::mutex mutex_;
+};
+
+KeptWeights& kept_weights() {
+  static KeptWeights kept;
+  return kept;
+}
+
+// A weight as `wanted`: kept (see the top) where `source`, its buffer, is given, else converted for this call.
+dnnl::memory weight_as_wanted(const std::shared_ptr<mx::array::Data>& source, const void* data,
+                              const dnnl::memory::desc& plain, const dnnl::memory::desc& wanted) {
+  return source ? kept_weights().get(source, data, plain, wanted) : as_wanted(plain, data, wanted);
+}
+
+// What a Primitive's work keeps of its weight input: its buffer where the copy is to be kept, else nothing.
+std::shared_ptr<mx::array::Data> kept_source(bool keep, const array& weight) {
+  return keep ? weight.data_shared_ptr() : nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Convolutions: x (N, H, W, C) and the result channels-last, the weight (O, kh, kw, C) as MLX keeps it.
 
 struct ConvShape {
@@ -95,10 +278,11 @@ struct ConvShape {
   int out_h() const { return (h + 2 * padding - dilation * (kh - 1) - 1) / stride + 1; }
   int out_w() const { return (w + 2 * padding - dilation * (kw - 1) - 1) / stride + 1; }
   std::string key() const {
-    return std::to_string(n) + "," + std::to_string(h) + "," + std::to_string(w) + "," + std::to_string(c) + "," +
-           std::to_string(o) + "," + std::to_string(kh) + "," + std::to_string(kw) + "," + std::to_string(stride) +
-           "," + std::to_string(padding) + "," + std::to_string(dilation) + "," + std::to_string(int(x_type)) + "," +
-           std::to_string(int(w_type)) + "," + std::to_string(int(product));
+    std::string key;
+    for (int v : {n, h, w, c, o, kh, kw, stride, padding, dilation, int(x_type), int(w_type), int(product)}) {
+      key += std::to_string(v) + ",";
+    }
+    return key;
   }
   dnnl::memory::desc x_plain(dt type) const { return {{n, c, h, w}, type, tag::nhwc}; }
   dnnl::memory::desc y_plain(dt type) const { return {{n, o, out_h(), out_w()}, type, tag::nhwc}; }
@@ -109,112 +293,133 @@ struct ConvShape {
   dims pads() const { return {padding, padding}; }
 };
 
-// The primitives of one shape, made once (at graph-building time, on the caller's thread) and kept.
+// The primitives of one shape. `refused`: why oneDNN has no fast forward for it ("" where it has one).
+// The backward passes are made by the first VJP, once, their refusal remembered too (the VJP then takes
+// the patches' way).
 struct ConvPlan {
+  std::string refused;
   dnnl::convolution_forward::primitive_desc forward_pd;
   dnnl::convolution_forward forward;
-  // made by the first VJP
-  std::once_flag backward_once;
+  std::mutex backward_mutex;
+  bool backward_tried = false;
+  std::string backward_refused;
   dnnl::convolution_backward_data::primitive_desc data_pd;
   dnnl::convolution_backward_data data;
   dnnl::convolution_backward_weights::primitive_desc weights_pd;
   dnnl::convolution_backward_weights weights;
+
+  // Whether the backward passes can run on oneDNN (made here the first time).
+  bool backward(const ConvShape& s) {
+    std::lock_guard<std::mutex> lock(backward_mutex);
+    if (backward_tried) return backward_refused.empty();
+    backward_tried = true;
+    dnnl::convolution_backward_data::primitive_desc made_data;
+    dnnl::convolution_backward_weights::primitive_desc made_weights;
+    try {
+      made_data = dnnl::convolution_backward_data::primitive_desc(
+          engine(), dnnl::algorithm::convolution_direct, s.x_plain(s.x_type), s.w_any(), s.y_plain(s.product),
+          s.strides(), s.dilates(), s.pads(), s.pads(), forward_pd, attributes());
+      backward_refused = refusal(made_data, "its backward data", true);
+    } catch (const std::exception& error) {  // dnnl::error: no implementation at all (a strided 1 x 1 on AVX2)
+      backward_refused = std::string("its backward data: ") + error.what();
+    }
+    if (!backward_refused.empty()) return false;
+    try {
+      made_weights = dnnl::convolution_backward_weights::primitive_desc(
+          engine(), dnnl::algorithm::convolution_direct, s.x_plain(s.product),
+          dnnl::memory::desc({s.o, s.c, s.kh, s.kw}, s.w_type == dt::f32 ? dt::f32 : s.product, tag::any),
+          s.y_plain(s.product), s.strides(), s.dilates(), s.pads(), s.pads(), forward_pd, attributes());
+      backward_refused = refusal(made_weights, "its backward weights", true);
+      const std::string weights_kernel = made_weights.impl_info_str();  // a const char*: compared as a string
+      if (backward_refused.empty() && weights_kernel == "jit_1x1:avx2" && s.stride > 1 && s.c < 8) {
+        backward_refused = "its backward weights: oneDNN 3.2's jit_1x1:avx2 is wrong for a strided 1 x 1 on fewer "
+                           "than 8 channels (tests/test_onednn.py)";
+      }
+    } catch (const std::exception& error) {
+      backward_refused = std::string("its backward weights: ") + error.what();
+    }
+    if (!backward_refused.empty()) return false;
+    data_pd = made_data;
+    data = dnnl::convolution_backward_data(data_pd);
+    weights_pd = made_weights;
+    weights = dnnl::convolution_backward_weights(weights_pd);
+    return backward_refused.empty();
+  }
 };
 
-std::mutex plans_mutex;
-
-ConvPlan& conv_plan(const ConvShape& s) {
-  static std::map<std::string, std::unique_ptr<ConvPlan>> plans;
-  std::lock_guard<std::mutex> lock(plans_mutex);
-  auto& slot = plans[s.key()];
-  if (!slot) {
-    // x and the result in the products' dtype for the kernel; the result may be float32 with bf16 products
-    auto pd = dnnl::convolution_forward::primitive_desc(
-        engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, s.x_plain(s.product),
-        s.w_any(), s.y_plain(s.x_type), s.strides(), s.dilates(), s.pads(), s.pads());
-    require_fast(pd, "this convolution", true);
-    auto plan = std::make_unique<ConvPlan>();
-    plan->forward_pd = pd;
-    plan->forward = dnnl::convolution_forward(pd);
-    slot = std::move(plan);
-  }
-  return *slot;
+Plans<ConvPlan>& conv_plans() {
+  static Plans<ConvPlan> plans;
+  return plans;
 }
 
-void make_backward(ConvPlan& plan, const ConvShape& s) {
-  std::call_once(plan.backward_once, [&] {
-    auto data_pd = dnnl::convolution_backward_data::primitive_desc(
-        engine(), dnnl::algorithm::convolution_direct, s.x_plain(s.x_type), s.w_any(), s.y_plain(s.product),
-        s.strides(), s.dilates(), s.pads(), s.pads(), plan.forward_pd);
-    require_fast(data_pd, "this convolution's backward data", true);
-    auto weights_pd = dnnl::convolution_backward_weights::primitive_desc(
-        engine(), dnnl::algorithm::convolution_direct, s.x_plain(s.product),
-        dnnl::memory::desc({s.o, s.c, s.kh, s.kw}, s.w_type == dt::f32 ? dt::f32 : s.product, tag::any),
-        s.y_plain(s.product), s.strides(), s.dilates(), s.pads(), s.pads(), plan.forward_pd);
-    require_fast(weights_pd, "this convolution's backward weights", true);
-    plan.data_pd = data_pd;
-    plan.data = dnnl::convolution_backward_data(data_pd);
-    plan.weights_pd = weights_pd;
-    plan.weights = dnnl::convolution_backward_weights(weights_pd);
+std::shared_ptr<ConvPlan> conv_plan(const ConvShape& s) {
+  return conv_plans().get(s.key(), [&s] {
+    auto plan = std::make_shared<ConvPlan>();
+    try {
+      // x and the result in the products' dtype for the kernel; the result may be float32 with bf16 products
+      plan->forward_pd = dnnl::convolution_forward::primitive_desc(
+          engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, s.x_plain(s.product),
+          s.w_any(), s.y_plain(s.x_type), s.strides(), s.dilates(), s.pads(), s.pads(), attributes());
+      plan->refused = refusal(plan->forward_pd, "this convolution", true);
+      if (plan->refused.empty()) plan->forward = dnnl::convolution_forward(plan->forward_pd);
+    } catch (const std::exception& error) {  // dnnl::error: no implementation at all (bfloat16 on AVX2)
+      plan->refused = error.what();
+    }
+    return plan;
   });
-}
-
-ConvShape conv_shape(const array& x, const array& w, int stride, int padding, int dilation, bool bfloat16) {
-  if (x.ndim() != 4 || w.ndim() != 4 || x.shape(3) != w.shape(3)) {
-    throw std::invalid_argument("kernels._onednn conv2d: x (N, H, W, C) and weight (O, kh, kw, C)");
-  }
-  const dt x_type = dnnl_type(x.dtype()), w_type = dnnl_type(w.dtype());
-  const dt product = (bfloat16 || x_type == dt::bf16 || w_type == dt::bf16) ? dt::bf16 : dt::f32;
-  ConvShape s{int(x.shape(0)), int(x.shape(1)), int(x.shape(2)), int(x.shape(3)), int(w.shape(0)), int(w.shape(1)),
-              int(w.shape(2)), stride, padding, dilation, x_type, w_type, product};
-  if (s.out_h() < 1 || s.out_w() < 1) throw std::invalid_argument("kernels._onednn conv2d: the kernel does not fit");
-  return s;
 }
 
 enum class ConvPass { forward, data, weights };
 
 // One Primitive for the three passes: forward (x, w) -> y; data (cotangent, w) -> grad x; weights (x,
-// cotangent) -> grad w.
+// cotangent) -> grad w. It holds its plan: an evicted plan lives while a graph still uses it.
 class Conv : public mx::UnaryPrimitive {
  public:
-  Conv(mx::Stream stream, ConvShape shape, ConvPass pass, int threads)
-      : mx::UnaryPrimitive(stream), s_(shape), pass_(pass), threads_(threads) {}
+  Conv(mx::Stream stream, ConvShape shape, std::shared_ptr<ConvPlan> plan, ConvPass pass, bool keep_weight,
+       int threads)
+      : mx::UnaryPrimitive(stream),
+        s_(shape),
+        plan_(std::move(plan)),
+        pass_(pass),
+        keep_weight_(keep_weight),
+        threads_(threads) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
-    ConvPlan* plan = &conv_plan(s_);
-    encoder.dispatch([plan, s = s_, pass = pass_, threads = threads_, first = inputs[0].data<void>(),
-                      second = inputs[1].data<void>(), result = out.data<void>()]() {
+    encoder.dispatch([plan = plan_, s = s_, pass = pass_, threads = threads_, first = inputs[0].data<void>(),
+                      second = inputs[1].data<void>(), source = kept_source(keep_weight_, inputs[1]),
+                      result = out.data<void>()]() {
       omp_set_num_threads(threads);
-      auto& strm = stream_here();
       if (pass == ConvPass::forward) {
         auto& pd = plan->forward_pd;
         auto src = as_wanted(s.x_plain(s.x_type), first, pd.src_desc());
-        auto wei = as_wanted(s.w_plain(s.w_type), second, pd.weights_desc());
+        auto wei = weight_as_wanted(source, second, s.w_plain(s.w_type), pd.weights_desc());
         dnnl::memory dst(pd.dst_desc(), engine(), result);
-        plan->forward.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+        execute(plan->forward, pd.scratchpad_desc(),
+                {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
       } else if (pass == ConvPass::data) {
         auto& pd = plan->data_pd;
         auto diff_dst = as_wanted(s.y_plain(s.x_type), first, pd.diff_dst_desc());
         auto wei = as_wanted(s.w_plain(s.w_type), second, pd.weights_desc());
         dnnl::memory diff_src(pd.diff_src_desc(), engine(), result);
-        plan->data.execute(strm,
-                           {{DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DIFF_SRC, diff_src}});
+        execute(plan->data, pd.scratchpad_desc(),
+                {{DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DIFF_SRC, diff_src}});
       } else {
         auto& pd = plan->weights_pd;
         auto src = as_wanted(s.x_plain(s.x_type), first, pd.src_desc());
         auto diff_dst = as_wanted(s.y_plain(s.x_type), second, pd.diff_dst_desc());
         dnnl::memory user(s.w_plain(s.w_type), engine(), result);
         if (pd.diff_weights_desc() == user.get_desc()) {
-          plan->weights.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, user}});
+          execute(plan->weights, pd.scratchpad_desc(),
+                  {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, user}});
         } else {
           dnnl::memory blocked(pd.diff_weights_desc(), engine());
-          plan->weights.execute(strm,
-                                {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, blocked}});
-          dnnl::reorder(blocked, user).execute(strm, blocked, user);
+          execute(plan->weights, pd.scratchpad_desc(),
+                  {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, blocked}});
+          dnnl::reorder(blocked, user).execute(stream_here(), blocked, user);
+          stream_here().wait();
         }
       }
-      strm.wait();
     });
   }
   void eval_gpu(const std::vector<array>&, array&) override {
@@ -224,21 +429,22 @@ class Conv : public mx::UnaryPrimitive {
   std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
                          const std::vector<int>& argnums, const std::vector<array>&) override {
     if (pass_ != ConvPass::forward) throw std::runtime_error("kernels._onednn conv2d: no second derivatives");
+    if (!plan_->backward(s_)) {  // oneDNN has no fast backward for this shape (remembered in the plan)
+      const bool float32 = s_.x_type == dt::f32 && s_.w_type == dt::f32 && s_.product == dt::f32;
+      return float32 ? patches_vjp(primals, cotangents, argnums) : mlx_vjp(primals, cotangents, argnums);
+    }
     const auto& x = primals[0];
     const auto& w = primals[1];
-    try {
-      make_backward(conv_plan(s_), s_);
-    } catch (const std::runtime_error&) {  // oneDNN refused a backward pass for this shape: MLX's own
-      return mlx_vjp(primals, cotangents, argnums);
-    }
     auto cotangent = mx::contiguous(mx::astype(cotangents[0], x.dtype(), stream()), false, stream());
     std::vector<array> grads;
     for (int arg : argnums) {
       if (arg == 0) {
-        grads.push_back(array(x.shape(), x.dtype(), std::make_shared<Conv>(stream(), s_, ConvPass::data, threads_),
+        grads.push_back(array(x.shape(), x.dtype(),
+                              std::make_shared<Conv>(stream(), s_, plan_, ConvPass::data, false, threads_),
                               {cotangent, w}));
       } else {
-        grads.push_back(array(w.shape(), w.dtype(), std::make_shared<Conv>(stream(), s_, ConvPass::weights, threads_),
+        grads.push_back(array(w.shape(), w.dtype(),
+                              std::make_shared<Conv>(stream(), s_, plan_, ConvPass::weights, false, threads_),
                               {x, cotangent}));
       }
     }
@@ -247,7 +453,31 @@ class Conv : public mx::UnaryPrimitive {
 
   const char* name() const override { return "KernelsOnednnConv"; }
 
-  // The gradients of mx::conv2d of the operands as the products used them.
+  // The gradients as models/backbone.py's patches convolution takes them (float32), on every core: the
+  // weight's, the cotangent times the input's patches (im2col); the input's, the transpose of patches
+  // (col2im) of the cotangent times the weight. Where oneDNN has no fast backward pass: a strided 1 x 1
+  // of an odd size or a dilated 3 x 3 on AVX2, whose only kernel is its im2col + GEMM.
+  std::vector<array> patches_vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
+                                 const std::vector<int>& argnums) {
+    const mx::Stream on = stream();
+    const auto cotangent = mx::reshape(mx::astype(cotangents[0], mx::float32, on), {-1, s_.o}, on);
+    std::vector<array> grads;
+    for (int arg : argnums) {
+      if (arg == 0) {
+        auto columns = mx::matmul(cotangent, mx::reshape(primals[1], {s_.o, -1}, on), on);
+        columns = mx::reshape(columns, {s_.n, s_.out_h(), s_.out_w(), -1}, on);
+        grads.push_back(kernels::unpatches(columns, s_.h, s_.w, s_.kh, s_.kw, s_.stride, s_.padding, s_.dilation,
+                                           threads_));
+      } else {
+        auto columns = kernels::patches(primals[0], s_.kh, s_.kw, s_.stride, s_.padding, s_.dilation, threads_);
+        columns = mx::reshape(columns, {-1, s_.kh * s_.kw * s_.c}, on);
+        grads.push_back(mx::reshape(mx::matmul(mx::transpose(cotangent, on), columns, on), primals[1].shape(), on));
+      }
+    }
+    return grads;
+  }
+
+  // The gradients of mx::conv2d of the operands as the products used them (bfloat16 operands or products).
   std::vector<array> mlx_vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
                              const std::vector<int>& argnums) {
     const auto product = s_.product == dt::bf16 ? mx::bfloat16 : mx::float32;
@@ -268,12 +498,14 @@ class Conv : public mx::UnaryPrimitive {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Conv&>(other);
-    return s_.key() == o.s_.key() && pass_ == o.pass_ && threads_ == o.threads_;
+    return s_.key() == o.s_.key() && pass_ == o.pass_ && keep_weight_ == o.keep_weight_ && threads_ == o.threads_;
   }
 
  private:
   ConvShape s_;
+  std::shared_ptr<ConvPlan> plan_;
   ConvPass pass_;
+  bool keep_weight_;
   int threads_;
 };
 
@@ -286,10 +518,12 @@ struct ProductShape {
   bool transpose_a, transpose_b, bias;
   dt a_type, b_type, bias_type, product;
   std::string key() const {
-    return std::to_string(m) + "," + std::to_string(k) + "," + std::to_string(n) + "," +
-           std::to_string(transpose_a) + std::to_string(transpose_b) + std::to_string(bias) + "," +
-           std::to_string(int(a_type)) + "," + std::to_string(int(b_type)) + "," + std::to_string(int(bias_type)) +
-           "," + std::to_string(int(product));
+    std::string key;
+    for (int v : {m, k, n, int(transpose_a), int(transpose_b), int(bias), int(a_type), int(b_type), int(bias_type),
+                  int(product)}) {
+      key += std::to_string(v) + ",";
+    }
+    return key;
   }
   dnnl::memory::desc a_desc(dt type) const {
     return transpose_a ? dnnl::memory::desc({m, k}, type, dims{1, m}) : dnnl::memory::desc({m, k}, type, dims{k, 1});
@@ -302,43 +536,50 @@ struct ProductShape {
 };
 
 struct ProductPlan {
+  std::string refused;  // as ConvPlan's
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul product;
 };
 
-ProductPlan& product_plan(const ProductShape& s) {
-  static std::map<std::string, std::unique_ptr<ProductPlan>> plans;
-  std::lock_guard<std::mutex> lock(plans_mutex);
-  auto& slot = plans[s.key()];
-  if (!slot) {
-    auto pd = s.bias ? dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), s.b_desc(s.product),
-                                                    s.bias_desc(), s.out_desc())
-                     : dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), s.b_desc(s.product), s.out_desc());
-    require_fast(pd, "this matrix product");
-    slot = std::make_unique<ProductPlan>(ProductPlan{pd, dnnl::matmul(pd)});
-  }
-  return *slot;
+Plans<ProductPlan>& product_plans() {
+  static Plans<ProductPlan> plans;
+  return plans;
+}
+
+std::shared_ptr<ProductPlan> product_plan(const ProductShape& s) {
+  return product_plans().get(s.key(), [&s] {
+    auto plan = std::make_shared<ProductPlan>();
+    try {
+      plan->pd = s.bias ? dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), s.b_desc(s.product),
+                                                       s.bias_desc(), s.out_desc(), attributes())
+                        : dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), s.b_desc(s.product),
+                                                       s.out_desc(), attributes());
+      plan->refused = refusal(plan->pd, "this matrix product");
+      if (plan->refused.empty()) plan->product = dnnl::matmul(plan->pd);
+    } catch (const std::exception& error) {
+      plan->refused = error.what();
+    }
+    return plan;
+  });
 }
 
 class Product : public mx::UnaryPrimitive {
  public:
-  Product(mx::Stream stream, ProductShape shape, int threads)
-      : mx::UnaryPrimitive(stream), s_(shape), threads_(threads) {}
+  Product(mx::Stream stream, ProductShape shape, std::shared_ptr<ProductPlan> plan, bool keep_weight, int threads)
+      : mx::UnaryPrimitive(stream), s_(shape), plan_(std::move(plan)), keep_weight_(keep_weight), threads_(threads) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
-    ProductPlan* plan = &product_plan(s_);
-    encoder.dispatch([plan, s = s_, threads = threads_, a = inputs[0].data<void>(), b = inputs[1].data<void>(),
-                      bias = s_.bias ? inputs[2].data<void>() : nullptr, result = out.data<void>()]() {
+    encoder.dispatch([plan = plan_, s = s_, threads = threads_, a = inputs[0].data<void>(), b = inputs[1].data<void>(),
+                      source = kept_source(keep_weight_, inputs[1]), bias = s_.bias ? inputs[2].data<void>() : nullptr,
+                      result = out.data<void>()]() {
       omp_set_num_threads(threads);
-      auto& strm = stream_here();
       auto src = as_wanted(s.a_desc(s.a_type), a, plan->pd.src_desc());
-      auto wei = as_wanted(s.b_desc(s.b_type), b, plan->pd.weights_desc());
+      auto wei = weight_as_wanted(source, b, s.b_desc(s.b_type), plan->pd.weights_desc());
       dnnl::memory dst(plan->pd.dst_desc(), engine(), result);
       std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
       if (s.bias) args.insert({DNNL_ARG_BIAS, dnnl::memory(s.bias_desc(), engine(), const_cast<void*>(bias))});
-      plan->product.execute(strm, args);
-      strm.wait();
+      execute(plan->product, plan->pd.scratchpad_desc(), std::move(args));
     });
   }
   void eval_gpu(const std::vector<array>&, array&) override {
@@ -356,11 +597,11 @@ class Product : public mx::UnaryPrimitive {
     std::vector<array> grads;
     for (int arg : argnums) {
       if (arg == 0) {
-        grads.push_back(ta ? product(b, g, std::nullopt, tb, true, bf16, threads_)
-                           : product(g, b, std::nullopt, false, !tb, bf16, threads_));
+        grads.push_back(ta ? product_or_throw(b, g, std::nullopt, tb, true, bf16, threads_)
+                           : product_or_throw(g, b, std::nullopt, false, !tb, bf16, threads_));
       } else if (arg == 1) {
-        auto grad = tb ? product(g, a, std::nullopt, true, ta, bf16, threads_)
-                       : product(a, g, std::nullopt, !ta, false, bf16, threads_);
+        auto grad = tb ? product_or_throw(g, a, std::nullopt, true, ta, bf16, threads_)
+                       : product_or_throw(a, g, std::nullopt, !ta, false, bf16, threads_);
         grads.push_back(mx::astype(grad, b.dtype(), stream()));
       } else {
         grads.push_back(mx::astype(kernels_native::sum_over_rows(g, stream()), primals[2].dtype(), stream()));
@@ -372,27 +613,30 @@ class Product : public mx::UnaryPrimitive {
   const char* name() const override { return "KernelsOnednnProduct"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Product&>(other);
-    return s_.key() == o.s_.key() && threads_ == o.threads_;
+    return s_.key() == o.s_.key() && keep_weight_ == o.keep_weight_ && threads_ == o.threads_;
   }
 
  private:
   ProductShape s_;
+  std::shared_ptr<ProductPlan> plan_;
+  bool keep_weight_;
   int threads_;
 };
 
-}  // namespace
-
-array conv2d(const array& x, const array& weight, int stride, int padding, int dilation, bool bfloat16,
-             int threads) {
-  const ConvShape s = conv_shape(x, weight, stride, padding, dilation, bfloat16);
-  conv_plan(s);  // made here, where an error can reach the caller
-  const auto stream = mx::default_stream(mx::Device::cpu);
-  return array({s.n, s.out_h(), s.out_w(), s.o}, x.dtype(), std::make_shared<Conv>(stream, s, ConvPass::forward, threads),
-               {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+ConvShape conv_shape(const array& x, const array& w, int stride, int padding, int dilation, bool bfloat16) {
+  if (x.ndim() != 4 || w.ndim() != 4 || x.shape(3) != w.shape(3)) {
+    throw std::invalid_argument("kernels._onednn conv2d: x (N, H, W, C) and weight (O, kh, kw, C)");
+  }
+  const dt x_type = dnnl_type(x.dtype()), w_type = dnnl_type(w.dtype());
+  const dt product = (bfloat16 || x_type == dt::bf16 || w_type == dt::bf16) ? dt::bf16 : dt::f32;
+  ConvShape s{int(x.shape(0)), int(x.shape(1)), int(x.shape(2)), int(x.shape(3)), int(w.shape(0)), int(w.shape(1)),
+              int(w.shape(2)), stride, padding, dilation, x_type, w_type, product};
+  if (s.out_h() < 1 || s.out_w() < 1) throw std::invalid_argument("kernels._onednn conv2d: the kernel does not fit");
+  return s;
 }
 
-array product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a, bool transpose_b,
-              bool bfloat16, int threads) {
+ProductShape product_shape(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
+                           bool transpose_b, bool bfloat16) {
   if (a.ndim() != 2 || b.ndim() != 2) throw std::invalid_argument("kernels._onednn product: two matrices");
   const int m = transpose_a ? a.shape(1) : a.shape(0), k = transpose_a ? a.shape(0) : a.shape(1);
   const int kb = transpose_b ? b.shape(1) : b.shape(0), n = transpose_b ? b.shape(0) : b.shape(1);
@@ -401,13 +645,46 @@ array product(const array& a, const array& b, const std::optional<array>& bias, 
   }
   const dt a_type = dnnl_type(a.dtype()), b_type = dnnl_type(b.dtype());
   const dt product_type = (bfloat16 || a_type == dt::bf16 || b_type == dt::bf16) ? dt::bf16 : dt::f32;
-  ProductShape s{m, k, n, transpose_a, transpose_b, bool(bias), a_type, b_type,
-                 bias ? dnnl_type(bias->dtype()) : dt::f32, product_type};
-  product_plan(s);
+  return {m, k, n, transpose_a, transpose_b, bool(bias), a_type, b_type, bias ? dnnl_type(bias->dtype()) : dt::f32,
+          product_type};
+}
+
+array product_array(const ProductShape& s, std::shared_ptr<ProductPlan> plan, const array& a, const array& b,
+                    const std::optional<array>& bias, bool keep_weight, int threads) {
   const auto stream = mx::default_stream(mx::Device::cpu);
   std::vector<array> inputs{mx::contiguous(a, false, stream), mx::contiguous(b, false, stream)};
   if (bias) inputs.push_back(mx::contiguous(*bias, false, stream));
-  return array({m, n}, a.dtype(), std::make_shared<Product>(stream, s, threads), std::move(inputs));
+  return array({s.m, s.n}, a.dtype(), std::make_shared<Product>(stream, s, std::move(plan), keep_weight, threads),
+               std::move(inputs));
+}
+
+}  // namespace
+
+std::optional<array> conv2d(const array& x, const array& weight, int stride, int padding, int dilation, bool bfloat16,
+                            bool keep_weight, int threads) {
+  const ConvShape s = conv_shape(x, weight, stride, padding, dilation, bfloat16);
+  auto plan = conv_plan(s);  // made here, on the caller's thread
+  if (!plan->refused.empty()) return std::nullopt;
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  return array({s.n, s.out_h(), s.out_w(), s.o}, x.dtype(),
+               std::make_shared<Conv>(stream, s, std::move(plan), ConvPass::forward, keep_weight, threads),
+               {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+}
+
+std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
+                             bool transpose_b, bool bfloat16, bool keep_weight, int threads) {
+  const ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
+  auto plan = product_plan(s);
+  if (!plan->refused.empty()) return std::nullopt;
+  return product_array(s, std::move(plan), a, b, bias, keep_weight, threads);
+}
+
+array product_or_throw(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
+                       bool transpose_b, bool bfloat16, int threads) {
+  const ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
+  auto plan = product_plan(s);
+  if (!plan->refused.empty()) throw std::runtime_error("kernels._onednn: " + plan->refused);
+  return product_array(s, std::move(plan), a, b, bias, false, threads);
 }
 
 std::string describe() {
@@ -416,9 +693,43 @@ std::string describe() {
          std::to_string(version->patch);
 }
 
+// The implementations oneDNN chose for this convolution ("brgconv:avx512_core_bf16"; with `backward`,
+// "forward; backward data; backward weights"), or why it is refused.
 std::string conv2d_implementation(const array& x, const array& weight, int stride, int padding, int dilation,
-                                  bool bfloat16) {
-  return conv_plan(conv_shape(x, weight, stride, padding, dilation, bfloat16)).forward_pd.impl_info_str();
+                                  bool bfloat16, bool backward) {
+  const ConvShape s = conv_shape(x, weight, stride, padding, dilation, bfloat16);
+  auto plan = conv_plan(s);
+  if (!plan->refused.empty()) return "refused: " + plan->refused;
+  const std::string forward = plan->forward_pd.impl_info_str();
+  if (!backward) return forward;
+  if (!plan->backward(s)) return forward + "; refused: " + plan->backward_refused;
+  return forward + "; " + plan->data_pd.impl_info_str() + "; " + plan->weights_pd.impl_info_str();
+}
+
+// {"convolutions", "products": plans kept; "capacity" of each; "onednn_capacity": of oneDNN's primitive
+// cache; "weights", "weight_bytes": weight copies kept, their size; "weight_capacity"; "largest_scratchpad":
+// the most a call has needed}.
+std::unordered_map<std::string, size_t> caches() {
+  const auto [weights, bytes] = kept_weights().size();
+  return {{"convolutions", conv_plans().size()},
+          {"products", product_plans().size()},
+          {"capacity", plan_capacity_value()},
+          {"onednn_capacity", size_t(dnnl::get_primitive_cache_capacity())},
+          {"weights", weights},
+          {"weight_bytes", bytes},
+          {"weight_capacity", kept_weight_capacity()},
+          {"largest_scratchpad", largest_scratchpad.load()}};
+}
+
+// At most `plans` plans of each kind (and as many primitives in oneDNN's own cache), `weight_bytes` of
+// kept weights; the least recently used go at once.
+void set_capacity(size_t plans, size_t weight_bytes) {
+  plan_capacity_value() = plans;
+  kept_weight_capacity() = weight_bytes;
+  dnnl::set_primitive_cache_capacity(int(plans));
+  conv_plans().shrink();
+  product_plans().shrink();
+  kept_weights().shrink();
 }
 
 }  // namespace kernels_onednn
