@@ -117,8 +117,10 @@ class TrainConfig:
     activation_checkpointing: bool = field(default=False, metadata={"auto": True})
     memory_limit_gb: float = 0.0  # refuse to start when a step would need more (0: 80% of the machine's memory)
     # bfloat16: convolutions, linears and the attention's values computed in bfloat16, the weights,
-    # AdamW, losses, matching, softmax and normalisations in float32
+    # AdamW, losses, matching, softmax and normalisations in float32; refused where bfloat16 products
+    # are not fast (a CPU without AMX or AVX512-BF16: about 20x slower), unless precision_even_if_slow
     precision: str = field(default="float32", metadata={"choices": ("float32", "bfloat16")})
+    precision_even_if_slow: bool = False
     ema_decay: float = field(default=0.0, metadata={"range": (0.0, 1.0)})  # an EMA of the weights (0: none)
     ema_warmup: int = 2000  # steps over which the EMA's decay rises to ema_decay
     # stop after this many evaluations without a higher val AP (0: never)
@@ -185,6 +187,7 @@ RESUME_EFFECTS = {
     **{f"train.{key}": RUNS for key in ("max_steps", "check_sampling_offsets", "checkpoint_every", "log_every")},
     **{f"train.{key}": RUNS for key in ("eval_every", "activation_checkpointing", "memory_limit_gb")},
     **{f"train.{key}": RUNS for key in ("early_stop_patience", "tensorboard", "mlflow", "wandb")},
+    "train.precision_even_if_slow": RUNS,  # a permission: the run computes what train.precision says
     **{f"train.{key}": TRAINS for key in ("precision", "ema_decay", "ema_warmup")},
     "evaluation.backend": RUNS,  # the same numbers
     "seed": TRAINS,

@@ -4,8 +4,8 @@
 `layer_norm`, `patches` (im2col), `bernoulli16` (random masks), `channel_affine` (a frozen batch
 norm with its residual and ReLU), `linear` (its bias rows), `sin_cos`, `masked_scale` (dropout) and
 `relu` on every CPU core; `onednn` (convolutions and matrix products on oneDNN, float32 and
-bfloat16, with their gradients); and `export_mode()`, within which all of them are MLX ops that
-`mx.export_function` can write.
+bfloat16, with their gradients); `bfloat16_products()` (whether bfloat16 is fast here, and why); and
+`export_mode()`, within which all of them are MLX ops that `mx.export_function` can write.
 
 This package knows nothing of DETR. Importing it first sets up the BLAS under MLX's matrix products
 (`blas.py`): import it (or deformable_detr) before mlx."""
@@ -26,6 +26,7 @@ from .linear import linear
 from .masked_scale import masked_scale, relu, scale_where_positive
 from .ms_deform_attn import BACKENDS, ms_deform_attn
 from .patches import patches
+from .precision import bfloat16_products
 from .sin_cos import sin_cos
 from .softmax import softmax
 
@@ -33,6 +34,7 @@ __all__ = [
     "BACKENDS",
     "available_backends",
     "bernoulli16",
+    "bfloat16_products",
     "channel_affine",
     "export_mode",
     "exporting",

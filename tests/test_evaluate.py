@@ -60,7 +60,9 @@ def test_eval_equals_pycocotools_on_the_detections_it_wrote(trained, tmp_path):
         ]
     )
     written = json.loads((tmp_path / "eval_results.json").read_text())
-    assert written == stats and list(written) == [*STAT_NAMES, "per_class", "ground_truth", "confusion_matrix"]
+    assert written == stats
+    assert list(written) == [*STAT_NAMES, "per_class", "ground_truth", "confusion_matrix", "precision"]
+    assert written["precision"] == {"ran": "float32", "asked": "float32", "reason": "asked for"}  # eval's default
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO(str(root / "annotations" / "instances_val2017.json"))
         evaluator = COCOeval(gt, gt.loadRes(str(tmp_path / "detections_val.json")), "bbox")
@@ -249,7 +251,7 @@ def test_eval_without_supervision_is_the_rest_of_the_evaluation(trained, tmp_pat
         stats = eval_script.main([*argv, "--output-dir", str(tmp_path), "model.num_queries=20"])
     finally:
         confusion.supervision.cache_clear()
-    assert list(stats) == [*STAT_NAMES, "per_class", "ground_truth"] and stats["AR100"] > 0
+    assert list(stats) == [*STAT_NAMES, "per_class", "ground_truth", "precision"] and stats["AR100"] > 0
     assert not (tmp_path / "confusion_matrix.png").exists() and (tmp_path / "pr_curves.png").is_file()
     err = capsys.readouterr().err
     assert err.count("confusion matrix left out") == 1

@@ -2,13 +2,17 @@
 (`mx.conv2d`, `@`, their VJPs). float32: to float32 rounding. bfloat16 products (float32 accumulation):
 equal, to float32 rounding, to MLX's float32 operations on the operands rounded to bfloat16, which is
 what a bfloat16 product with a float32 sum computes; the cotangents are rounded the same way for the
-gradients. Then where it is not used (MLX's answers), and the inference precision that rides on it."""
+gradients. Then where it is not used (MLX's answers), its caches (bounded: plans by count, weight copies
+by bytes), and the inference precision that rides on it. bfloat16 cases skip where oneDNN has no fast
+bfloat16 kernels (a CPU without AVX512-BF16 or AMX, or ONEDNN_MAX_CPU_ISA below them): there the
+precision resolves to float32 and oneDNN's refusal is tested instead."""
 
+import os
 import subprocess
 import sys
 
 import kernels
-from deformable_detr.models.precision import inference_precision
+from deformable_detr.models.precision import Precision, check_training_precision, resolve_precision
 from kernels import onednn
 
 import mlx.core as mx
@@ -16,6 +20,9 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(onednn.module() is None, reason=f"oneDNN is not used here: {onednn.missing()}")
+NO_FAST_BFLOAT16 = onednn.bfloat16_kernels() if onednn.module() is not None else None
+needs_bfloat16 = pytest.mark.skipif(NO_FAST_BFLOAT16 is not None, reason=f"no fast bfloat16: {NO_FAST_BFLOAT16}")
+PRODUCTS = ["float32", pytest.param("bfloat16", marks=needs_bfloat16)]
 
 
 def rounded(a):
@@ -40,7 +47,7 @@ CONVOLUTIONS = [  # (kernel, stride, padding, dilation, input size, channels in,
 
 
 @pytest.mark.parametrize("kernel,stride,padding,dilation,size,cin,cout", CONVOLUTIONS)
-@pytest.mark.parametrize("products", ["float32", "bfloat16"])
+@pytest.mark.parametrize("products", PRODUCTS)
 def test_conv2d_and_its_gradients_equal_mlx(kernel, stride, padding, dilation, size, cin, cout, products, rng):
     x = mx.array(rng.standard_normal((2, *size, cin)).astype(np.float32))
     w = mx.array(rng.standard_normal((cout, kernel, kernel, cin)).astype(np.float32) / (kernel * kernel * cin) ** 0.5)
@@ -67,6 +74,7 @@ def test_conv2d_and_its_gradients_equal_mlx(kernel, stride, padding, dilation, s
         assert_close(g, r, 1e-5)
 
 
+@needs_bfloat16
 @pytest.mark.parametrize("kernel,stride,padding,dilation,size,cin,cout", CONVOLUTIONS[2:4])
 def test_conv2d_of_bfloat16_operands_is_bfloat16(kernel, stride, padding, dilation, size, cin, cout, rng):
     """train.precision: bfloat16 hands it bfloat16 activations and weights: a bfloat16 result and gradients."""
@@ -85,7 +93,7 @@ def test_conv2d_of_bfloat16_operands_is_bfloat16(kernel, stride, padding, dilati
     assert_close(gw, rw, 2**-7)
 
 
-@pytest.mark.parametrize("products", ["float32", "bfloat16"])
+@pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_and_its_gradients_equal_mlx(products, bias, rng):
     x = mx.array(rng.standard_normal((3, 37, 24)).astype(np.float32))
@@ -114,6 +122,7 @@ def test_linear_and_its_gradients_equal_mlx(products, bias, rng):
         assert_close(g, r, 1e-5)
 
 
+@needs_bfloat16
 def test_the_models_linear_and_conv_run_on_it_and_products_in_is_scoped(rng):
     x = mx.array(rng.standard_normal((50, 64)).astype(np.float32))
     w = mx.array(rng.standard_normal((32, 64)).astype(np.float32))
@@ -141,25 +150,28 @@ def test_not_used_in_export_mode_or_off_the_cpu(rng):
     assert onednn.conv2d(x.astype(mx.float16), w.astype(mx.float16), 1, 1) is None  # float16: MLX's
 
 
+def clear_caches():
+    for cached in (onednn._load, onednn._say_missing_once, onednn.bfloat16_kernels):
+        cached.cache_clear()
+
+
 def test_without_it_mlx_computes_and_says_so_once(capsys, monkeypatch, rng):
     monkeypatch.setattr(onednn, "_library", lambda: None)
     monkeypatch.setattr(onednn, "EXPECTED", True)
-    onednn._load.cache_clear()
-    onednn._say_missing_once.cache_clear()
+    clear_caches()
     try:
         x = mx.array(rng.standard_normal((4, 8)).astype(np.float32))
         w = mx.array(rng.standard_normal((3, 8)).astype(np.float32))
         assert onednn.linear(x, w) is None and onednn.linear(x, w) is None
         assert_close(kernels.linear(x, w), x @ w.T, 1e-6)
-        assert inference_precision("auto")[0] == "float32"
+        assert resolve_precision("auto").ran == "float32" and resolve_precision("bfloat16").ran == "float32"
         lines = capsys.readouterr().err.splitlines()
         assert lines == [
             "kernels: convolutions and products run on MLX, not oneDNN: oneDNN's library is not "
             "installed (pip install onednn-cpu-gomp==2023.2.0)"
         ]
     finally:
-        onednn._load.cache_clear()
-        onednn._say_missing_once.cache_clear()
+        clear_caches()
 
 
 def test_switched_off_by_its_variable_silently():
@@ -170,7 +182,7 @@ def test_switched_off_by_its_variable_silently():
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
-        env={**__import__("os").environ, "DEFORMABLE_DETR_ONEDNN": "0"},
+        env={**os.environ, "DEFORMABLE_DETR_ONEDNN": "0"},
         capture_output=True,
         text=True,
         check=True,
@@ -178,19 +190,162 @@ def test_switched_off_by_its_variable_silently():
     assert done.stdout.strip() == "[[3.0, 3.0], [3.0, 3.0]]" and done.stderr == ""
 
 
-def test_auto_precision_follows_the_cpus_bfloat16_instructions(monkeypatch):
+def test_precision_resolves_once_from_whether_bfloat16_products_are_fast(monkeypatch):
+    monkeypatch.setattr(onednn, "bfloat16_kernels", lambda: None)
     monkeypatch.setattr(onednn, "bfloat16_instructions", lambda: ["avx512_bf16"])
-    assert inference_precision("auto") == ("bfloat16", "auto: this CPU has avx512_bf16")
-    monkeypatch.setattr(onednn, "bfloat16_instructions", lambda: [])
-    assert inference_precision("auto")[0] == "float32"
-    assert inference_precision("bfloat16") == ("bfloat16", "asked for")
+    assert resolve_precision("auto") == Precision("bfloat16", "auto", "auto: this CPU has avx512_bf16 (oneDNN)")
+    assert resolve_precision("bfloat16") == Precision(
+        "bfloat16", "bfloat16", "asked for: this CPU has avx512_bf16 (oneDNN)"
+    )
+    why = "this CPU has no bfloat16 product instructions (AVX512-BF16, AMX): oneDNN has none for them"
+    monkeypatch.setattr(onednn, "bfloat16_kernels", lambda: why)
+    assert resolve_precision("auto") == Precision("float32", "auto", f"auto: {why}")
+    asked = resolve_precision("bfloat16")
+    assert asked == Precision("float32", "bfloat16", f"bfloat16 asked for, but {why}")
+    assert str(asked) == f"float32 (bfloat16 asked for, but {why})" and asked.dtype == mx.float32
+    assert resolve_precision("float32") == Precision() == Precision("float32", "float32", "asked for")
+    assert check_training_precision("bfloat16", even_if_slow=False).startswith(f"train.precision=bfloat16: {why}")
+    assert check_training_precision("bfloat16", even_if_slow=True) is None
+    assert check_training_precision("float32", even_if_slow=False) is None
     with pytest.raises(ValueError, match="expected one of auto, float32, bfloat16"):
-        inference_precision("fp16")
+        resolve_precision("fp16")
 
 
-def test_bfloat16_instructions_are_read_from_cpuinfo():
-    flags = open("/proc/cpuinfo").read().split()
-    assert onednn.bfloat16_instructions() == [f for f in onednn.BFLOAT16_FLAGS if f in flags]
+def test_bfloat16_is_fast_only_with_the_instructions_oneDNN_may_use():
+    """What oneDNN itself picks for a bfloat16 convolution, against the CPU's flags and the cap."""
+    has = onednn.bfloat16_instructions()
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    why_not = onednn.bfloat16_kernels()
+    if not has:
+        assert why_not.startswith("this CPU has no bfloat16 product instructions (AVX512-BF16, AMX)")
+    elif capped in ("AVX2", "AVX512_CORE", "AVX512_CORE_VNNI"):
+        assert why_not == f"ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} keeps oneDNN from this CPU's " + (
+            ", ".join(has)
+        )
+    elif capped in ("", "ALL", "AVX512_CORE_BF16", "AVX512_CORE_AMX"):
+        assert why_not is None
+    assert kernels.bfloat16_products() == (
+        (False, why_not) if why_not else (True, f"this CPU has {', '.join(has)} (oneDNN)")
+    )
+
+
+@pytest.mark.skipif(NO_FAST_BFLOAT16 is None, reason="bfloat16 is fast here")
+def test_where_bfloat16_is_not_fast_float32_runs_and_oneDNN_has_at_most_an_emulation(rng):
+    """AVX2: oneDNN 3.2 has no bfloat16 convolution (None: the caller computes); AVX-512 without BF16:
+    it emulates one. Either way the precision resolves to float32, so no command asks for it."""
+    x = mx.array(rng.standard_normal((1, 9, 10, 16)).astype(np.float32))
+    w = mx.array(rng.standard_normal((16, 3, 3, 16)).astype(np.float32))
+    kernel = onednn.module().conv2d_implementation(x, w, 1, 1, 1, True)
+    assert kernel.startswith("refused") or kernel.endswith(":avx512_core"), kernel
+    with onednn.products_in(mx.bfloat16):
+        assert (onednn.conv2d(x, w, 1, 1) is None) == kernel.startswith("refused")
+    assert resolve_precision("bfloat16").ran == "float32" and not kernels.bfloat16_products()[0]
+
+
+def test_the_plans_are_bounded_and_a_graph_keeps_its_own(rng):
+    """Each shape's primitives are a plan; past the capacity the least recently used go (oneDNN's own
+    cache set to the same), while a graph built before still holds and runs its plan."""
+    extension, before = onednn.module(), onednn.caches()
+    w = mx.array(rng.standard_normal((8, 3, 3, 4)).astype(np.float32))
+    first_x = mx.array(rng.standard_normal((1, 5, 6, 4)).astype(np.float32))
+    extension.set_capacity(6, before["weight_capacity"])
+    try:
+        first = onednn.conv2d(first_x, w, 1, 1)  # built, not evaluated, before its plan goes
+        for size in range(6, 26):
+            x = mx.array(rng.standard_normal((1, size, size + 1, 4)).astype(np.float32))
+            got = mx.grad(lambda x, w: (onednn.conv2d(x, w, 1, 1) ** 2).sum(), (0, 1))(x, w)
+            want = mx.grad(lambda x, w: (mx.conv2d(x, w, 1, 1) ** 2).sum(), (0, 1))(x, w)
+            for g, r in zip(got, want, strict=True):
+                assert_close(g, r, 1e-5)
+            a = x.reshape(-1, 4)
+            assert_close(onednn.linear(a, w[:, 0, 0]), a @ w[:, 0, 0].T, 1e-6)
+        caches = onednn.caches()
+        assert (caches["convolutions"], caches["products"], caches["onednn_capacity"]) == (6, 6, 6), caches
+        assert_close(first, mx.conv2d(first_x, w, 1, 1), 1e-6)
+    finally:
+        extension.set_capacity(before["capacity"], before["weight_capacity"])
+    assert onednn.caches()["onednn_capacity"] == before["capacity"]
+
+
+@pytest.mark.parametrize("plans, answer", [("3", "3"), ("", "512"), ("many", "DEFORMABLE_DETR_ONEDNN_PLANS=many")])
+def test_the_plan_capacity_comes_from_its_variable(plans, answer):
+    code = "from kernels import onednn; c = onednn.caches(); assert c['onednn_capacity'] == c['capacity']; "
+    code += "print(c['capacity'])"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "DEFORMABLE_DETR_ONEDNN_PLANS": plans},
+        capture_output=True,
+        text=True,
+    )
+    assert answer in (done.stdout if done.returncode == 0 else done.stderr), done.stderr
+
+
+def test_kept_weights_are_reused_bounded_and_never_stale(rng):
+    """Inside products_in(keep_weights=True) a weight's copy in oneDNN's layout is made once; another
+    weight (a new buffer) gets its own; at most weight_capacity bytes of copies are kept."""
+    x = mx.array(rng.standard_normal((1, 12, 11, 16)).astype(np.float32))
+    w = mx.array(rng.standard_normal((32, 3, 3, 16)).astype(np.float32))  # reordered: a copy to keep
+    extension, before = onednn.module(), onednn.caches()
+    kept = lambda: onednn.caches()["weights"]  # noqa: E731
+    start = kept()
+    mx.eval(onednn.conv2d(x, w, 1, 1))
+    assert kept() == start  # not asked to keep
+    with onednn.products_in(mx.float32, keep_weights=True):
+        a = onednn.conv2d(x, w, 1, 1)
+        mx.eval(a)
+        assert kept() == start + 1
+        b = onednn.conv2d(x, w, 1, 1)
+        mx.eval(b)
+        assert kept() == start + 1  # the same weight: its copy
+        other = w * 2  # a new buffer: never the first one's copy
+        c = onednn.conv2d(x, other, 1, 1)
+        assert_close(c, mx.conv2d(x, other, 1, 1), 1e-6)
+        assert kept() == start + 2
+        with onednn.products_in(mx.float32):  # keep_weights None: as outside
+            assert onednn._products.get()[1] is True
+    assert np.array_equal(np.array(a), np.array(b))
+    assert_close(a, mx.conv2d(x, w, 1, 1), 1e-6)
+    held = onednn.caches()["weight_bytes"]
+    with onednn.products_in(mx.float32, keep_weights=True):
+        mx.eval(onednn.conv2d(x, w * 3, 1, 1))
+    one = onednn.caches()["weight_bytes"] - held  # a copy of this weight
+    extension.set_capacity(before["capacity"], one)
+    try:
+        assert (onednn.caches()["weight_bytes"], kept()) == (one, 1)  # the most recent copy stays
+        with onednn.products_in(mx.float32, keep_weights=True):
+            for scale in (4, 5):
+                mx.eval(onednn.conv2d(x, w * scale, 1, 1))
+                assert (onednn.caches()["weight_bytes"], kept()) == (one, 1)
+    finally:
+        extension.set_capacity(before["capacity"], before["weight_capacity"])
+
+
+BACKWARD_ON_AVX2 = [  # (kernel, stride, dilation, size, channels in, what oneDNN 3.2 refuses on AVX2)
+    (1, 2, 1, (9, 12), 32, "its backward data has no fast oneDNN kernel here (only x64:gemm:jit)"),
+    (3, 1, 2, (9, 12), 5, "its backward weights has no fast oneDNN kernel here (only x64:gemm:jit)"),
+    (1, 2, 1, (10, 12), 5, "its backward weights: oneDNN 3.2's jit_1x1:avx2 is wrong for a strided 1 x 1 on fewer"),
+    (1, 2, 1, (10, 12), 32, None),
+]
+
+
+@pytest.mark.parametrize("kernel,stride,dilation,size,cin,refused", BACKWARD_ON_AVX2)
+def test_a_backward_pass_oneDNN_has_no_fast_kernel_for_is_the_patches(
+    kernel, stride, dilation, size, cin, refused, rng
+):
+    """On AVX2 oneDNN 3.2 has only its im2col + GEMM for some backward passes (a strided 1 x 1 of an odd
+    size, a dilated 3 x 3 on few channels), and a wrong one for another (a strided 1 x 1 on fewer than 8
+    channels: up to 90% off): the forward stays oneDNN's, the gradients are the patches' (the plan says
+    which), MLX's numbers either way."""
+    padding = dilation * (kernel // 2)
+    x = mx.array(rng.standard_normal((2, *size, cin)).astype(np.float32))
+    w = mx.array(rng.standard_normal((4, kernel, kernel, cin)).astype(np.float32))
+    kernels_used = onednn.module().conv2d_implementation(x, w, stride, padding, dilation, False, True)
+    if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2":
+        assert (f"; refused: {refused}" in kernels_used) if refused else "refused" not in kernels_used, kernels_used
+    got = mx.grad(lambda x, w: (onednn.conv2d(x, w, stride, padding, dilation) ** 2).sum(), (0, 1))(x, w)
+    want = mx.grad(lambda x, w: (mx.conv2d(x, w, stride, padding, dilation) ** 2).sum(), (0, 1))(x, w)
+    for g, r in zip(got, want, strict=True):
+        assert_close(g, r, 1e-5)
 
 
 def test_a_shape_it_has_only_im2col_for_is_mlxs(rng):

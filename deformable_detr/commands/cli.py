@@ -60,8 +60,9 @@ def add_precision(parser, default: str):
         "--precision",
         choices=INFERENCE_PRECISIONS,
         default=default,
-        help=f"the products' precision (default {default}): auto is bfloat16 on a CPU with bfloat16 instructions "
-        "(AMX-BF16, AVX512-BF16) and oneDNN, float32 elsewhere",
+        help=f"the products' precision (default {default}): auto is bfloat16 where its products are fast (a CPU "
+        "with AMX or AVX512-BF16, through oneDNN; a GPU), float32 elsewhere; bfloat16 where they are not fast "
+        "runs float32, and the precision line says why",
     )
 
 
@@ -135,4 +136,4 @@ def load_detector(args, config: Config | None = None) -> Detector:
 
 def say_precision(detector):
     """The precision a command's detector runs at, and why: one line on stderr."""
-    print(f"precision: {detector.precision} ({detector.precision_reason})", file=sys.stderr)
+    print(f"precision: {detector.precision}", file=sys.stderr)

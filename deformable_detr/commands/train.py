@@ -38,6 +38,7 @@ from ..data.ground_truth import dropped_line, split_summary, summary_lines
 from ..errors import UsageError, entry_point
 from ..inference.evaluation import evaluate, per_class_table
 from ..models import build_model
+from ..models.precision import check_training_precision
 from ..training.engine import Progress, fit
 from ..training.mlflow_run import require_mlflow
 from ..training.resume_check import allowed_changes
@@ -127,6 +128,8 @@ def check_settings(cfg, processes: int):
     process_share(cfg, processes)  # a batch that does not split over the processes: a usage error
     if cfg.train.early_stop_patience and not cfg.train.eval_every:
         raise UsageError("train.early_stop_patience counts evaluations: it needs train.eval_every above 0")
+    if problem := check_training_precision(cfg.train.precision, cfg.train.precision_even_if_slow):
+        raise UsageError(problem)
     if cfg.train.tensorboard:
         require_tensorboard()
     if cfg.train.mlflow:

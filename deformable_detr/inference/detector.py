@@ -47,7 +47,7 @@ from ..deploy.mlxfn import export_mlx
 from ..deploy.onnx.export import export_onnx
 from ..errors import UsageError
 from ..models import post_process
-from ..models.precision import DTYPES, inference_precision
+from ..models.precision import Precision, resolve_precision
 from ..weights import conversion
 from ..weights.loading import config_from_weights, load_trained_model
 from .attention_points import encoder_queries, in_pixels, recording
@@ -133,18 +133,20 @@ class Predictions(list):
 
 class Detector:
     """A model in evaluation mode, its `cfg`, its `class_names` ({category id: name}) and the precision
-    of its products: `precision` auto, float32 or bfloat16 (models/precision.py); `auto` is bfloat16 on
-    a CPU with bfloat16 instructions and oneDNN, float32 elsewhere. The weights stay float32 either way
-    (an export writes them as they are); `precision_reason` says why this one."""
+    its products run in: `precision`, a models.precision.Precision (what ran, what was asked, why),
+    float32 unless given; `Detector.load(precision="auto")` is bfloat16 where bfloat16 products are fast
+    (a CPU with AMX or AVX512-BF16 through oneDNN, a GPU), float32 elsewhere. The weights stay float32
+    either way (an export writes them as they are)."""
 
-    def __init__(self, model, cfg: Config, class_names: dict, source=None, precision: str = "float32"):
+    def __init__(self, model, cfg: Config, class_names: dict, source=None, precision: Precision | None = None):
         self.model, self.cfg, self.class_names, self.source = model, cfg, class_names, source
-        self.precision, self.precision_reason = inference_precision(precision)
+        self.precision = precision or Precision()
         model.eval()
 
     def products(self):
-        """The context the forwards run in: the products in `precision` (kernels.onednn.products_in)."""
-        return kernels.onednn.products_in(DTYPES[self.precision])
+        """The context the forwards run in: the products in `precision`, the weights' copies in
+        oneDNN's layouts kept (they do not change here; kernels.onednn.products_in)."""
+        return kernels.onednn.products_in(self.precision.dtype, keep_weights=True)
 
     @staticmethod
     def config_for(weights, config=None, overrides=()) -> Config:
@@ -156,11 +158,12 @@ class Detector:
     def load(cls, weights, config=None, overrides=(), raw_weights: bool = False, precision: str = "auto") -> "Detector":
         """`weights`: a training checkpoint (its EMA where it has one, unless `raw_weights`), converted
         weights, or `hf://ORG/NAME[@REVISION]`. `config`, `overrides`: as `config_for`, or a
-        Config. `precision`: auto, float32 or bfloat16 (the class's docstring)."""
-        inference_precision(precision)  # a bad name before the weights are read
+        Config. `precision`: auto, float32 or bfloat16, resolved here (models.precision.resolve_precision),
+        before the weights are read."""
+        resolved = resolve_precision(precision)
         cfg = config if isinstance(config, Config) else cls.config_for(weights, config, overrides)
         model, recorded = load_trained_model(weights, cfg, raw=raw_weights)
-        return cls(model, cfg, recorded or _dataset_names(cfg), source=weights, precision=precision)
+        return cls(model, cfg, recorded or _dataset_names(cfg), source=weights, precision=resolved)
 
     def predict(
         self,
@@ -304,7 +307,7 @@ class Detector:
         detections scoring at least `threshold` (confusion.py; not without supervision). The model's
         classes meet the dataset's by name (data/classes.py; the lines that say how go to stderr). With
         `output_dir`, writes there eval_results.json, detections_{split}.json (COCO results format),
-        pr_curves.png and confusion_matrix.png."""
+        pr_curves.png and confusion_matrix.png. "precision": what the products ran in, asked, why."""
         if path is not None:
             _check_dataset_path(Path(path), self.cfg.data.dataset)
         data = self.cfg.data if path is None else dataclasses.replace(self.cfg.data, path=str(path))
@@ -314,6 +317,7 @@ class Detector:
             print(line, file=sys.stderr)
         with self.products():
             evaluation = evaluate(self.model, dataset, self.cfg, batch_size, verbose, class_map, threshold)
+        evaluation.stats["precision"] = self.precision.to_json()
         if output_dir is not None:
             output_dir = Path(output_dir)
             output_dir.mkdir(parents=True, exist_ok=True)

@@ -8,14 +8,16 @@ attention core's accumulation compute in float32; the outputs go to the losses a
 float32. The gradients reach the float32 weights through the copies. Evaluation and prediction run
 in float32. In float32 every cast here is skipped: the model is exactly the one without it.
 
-Inference (`--precision auto | float32 | bfloat16`, `Detector.load(precision=)`): `inference_precision`
-resolves `auto`; the forward then runs inside `kernels.onednn.products_in(mx.bfloat16)`: the
+Inference (`--precision auto | float32 | bfloat16`, `Detector.load(precision=)`): `resolve_precision`
+decides, once, what runs and why (bfloat16 only where its products are fast); a bfloat16 forward then
+runs inside `kernels.onednn.products_in(mx.bfloat16)`: the
 convolutions' and linears' products run in bfloat16 on oneDNN with float32 operands and results (but
 the class and box heads', `float32_heads`), while everything between them (the normalisations,
 softmaxes, the attention core and its sampling locations, the boxes and the postprocess) stays
 float32."""
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import kernels
 from kernels.channel_affine import with_mlx_ops
@@ -110,22 +112,56 @@ def computing_in(model: nn.Module, dtype):
 INFERENCE_PRECISIONS = ("auto", "float32", "bfloat16")
 
 
-def inference_precision(precision: str) -> tuple[str, str]:
-    """`precision` (one of INFERENCE_PRECISIONS) -> (float32 or bfloat16, why). `auto` is bfloat16 where
-    the products are fast in it: on the CPU, with oneDNN, on a CPU with AMX-BF16 or AVX512-BF16 (as
-    OpenVINO's default); float32 elsewhere (MLX has no fast bfloat16 product on a CPU without them)."""
-    if precision not in INFERENCE_PRECISIONS:
-        raise ValueError(f"precision {precision!r}: expected one of {', '.join(INFERENCE_PRECISIONS)}")
-    if precision != "auto":
-        return precision, "asked for"
-    if mx.default_device().type != mx.cpu:
-        return "float32", f"auto: the default device is {mx.default_device()}"
-    if kernels.onednn.module() is None:
-        return "float32", f"auto: oneDNN is {kernels.onednn.describe()}"
-    flags = kernels.onednn.bfloat16_instructions()
-    if not flags:
-        return "float32", "auto: this CPU has no bfloat16 product instructions (AMX-BF16, AVX512-BF16)"
-    return "bfloat16", f"auto: this CPU has {', '.join(flags)}"
+@dataclass(frozen=True)
+class Precision:
+    """The precision a model's products run in (`ran`: float32 or bfloat16), what was asked (one of
+    INFERENCE_PRECISIONS) and why this one: `resolve_precision`'s answer, said as `str(precision)`."""
+
+    ran: str = "float32"
+    asked: str = "float32"
+    reason: str = "asked for"
+
+    def __str__(self) -> str:
+        return f"{self.ran} ({self.reason})"
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return DTYPES[self.ran]
+
+    def to_json(self) -> dict:
+        return {"ran": self.ran, "asked": self.asked, "reason": self.reason}
+
+
+def resolve_precision(asked: str) -> Precision:
+    """What runs for `asked` (one of INFERENCE_PRECISIONS), and why: bfloat16 products only where they
+    are fast (`kernels.bfloat16_products`: a GPU, or oneDNN with AMX or AVX512-BF16); `auto` is bfloat16
+    there and float32 elsewhere; `bfloat16` where they are not fast runs float32, the reason saying so
+    (bfloat16 products there would be slower than float32, not faster, with the same weights)."""
+    if asked not in INFERENCE_PRECISIONS:
+        raise ValueError(f"precision {asked!r}: expected one of {', '.join(INFERENCE_PRECISIONS)}")
+    if asked == "float32":
+        return Precision("float32", asked, "asked for")
+    fast, why = kernels.bfloat16_products()
+    if asked == "auto":
+        return Precision("bfloat16" if fast else "float32", asked, f"auto: {why}")
+    if fast:
+        return Precision("bfloat16", asked, f"asked for: {why}")
+    return Precision("float32", asked, f"bfloat16 asked for, but {why}")
+
+
+def check_training_precision(precision: str, even_if_slow: bool) -> str | None:
+    """`train.precision`'s problem here, or None: bfloat16 where its products are not fast (about 20x
+    slower than float32 on a CPU without bfloat16 instructions) is refused in one line, unless
+    `even_if_slow` (train.precision_even_if_slow: true)."""
+    if precision != "bfloat16" or even_if_slow:
+        return None
+    fast, why = kernels.bfloat16_products()
+    if fast:
+        return None
+    return (
+        f"train.precision=bfloat16: {why}, so bfloat16 would run slower than float32; use float32, or "
+        "insist with train.precision_even_if_slow=true"
+    )
 
 
 def float32_heads():
