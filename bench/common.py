@@ -30,6 +30,22 @@ def cpu_model(count: bool = False) -> str:
     return f"{names[0]} x {len(names)}" if count else names[0]
 
 
+# What makes a newer x86 CPU compute as an older one does, for each library (bench/README.md#reproduce):
+# oneDNN's kernels (ours and PyTorch's), OpenBLAS's (ours), ATen's vector code and MKL's (PyTorch's).
+AS_AVX2 = {
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OPENBLAS_CORETYPE": "Haswell",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+def instruction_caps() -> str:
+    """ ", as AVX2: ONEDNN_MAX_CPU_ISA=AVX2, ..." for those of AS_AVX2's variables set here, or ""."""
+    caps = [f"{name}={os.environ[name]}" for name in AS_AVX2 if os.environ.get(name)]
+    return f" (instruction sets capped: {', '.join(caps)})" if caps else ""
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, as the reports print them."""
     return " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -8,10 +8,13 @@ configs/r50.yaml with random weights, batch 1 at 800 x 1066 (the authors' evalua
 and PyTorch are measured by bench/model.py's own processes (its inference rows, the same code):
 `ours (MLX, float32)` and `ours (MLX, bfloat16)` (the forward inside
 `kernels.onednn.products_in(mx.bfloat16)`, as `--precision bfloat16` predicts), `(default)` on the
-one `--precision auto` picks on this machine (bfloat16 on a CPU with AMX-BF16 or AVX512-BF16), the
-row the others' ratios are against; `PyTorch (float32)` and `PyTorch (autocast bfloat16)` (the
-forward under `torch.autocast("cpu", dtype=torch.bfloat16)`, a user's fastest PyTorch there). The
-header names the CPU and its bfloat16 instructions (/proc/cpuinfo). onnxruntime runs the file
+one `--precision auto` picks on this machine (bfloat16 where its products are fast: AMX or AVX512-BF16
+through oneDNN), the row the others' ratios are against; `PyTorch (float32)` and `PyTorch (autocast
+bfloat16)` (the forward under `torch.autocast("cpu", dtype=torch.bfloat16)`, a user's fastest PyTorch
+there). Where bfloat16 products are not fast (kernels.bfloat16_products: AVX2, AVX-512 without BF16),
+both bfloat16 rows are skipped, the header saying why: they would be slower than float32, not faster
+(PyTorch's autocast took 130 s an image on a Zen 2). The header names the CPU and any instruction-set
+caps (bench/common.py's AS_AVX2). onnxruntime runs the file
 `export --to onnx --size 800 1066` writes (the canvas the image fills), once with each sampler
 (gather, the default; grid_sample), on all `--threads` cores (intra_op_num_threads) with its
 default graph optimisations, as a CPU server would run it. OpenVINO (where installed) runs the same
@@ -47,7 +50,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 import kernels  # noqa: E402
 from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 
-from common import cpu_model, measured, median_time, report  # noqa: E402
+from common import cpu_model, instruction_caps, measured, median_time, report  # noqa: E402
 from model import PRECISIONS, SIZE, TORCH_LABELS, run_side  # noqa: E402
 
 SAMPLERS = ("gather", "grid_sample")
@@ -247,7 +250,7 @@ def table(rows: list, ours: float) -> list:
 def ours_rows(args) -> list:
     """Ours in float32 and with bfloat16 products, in bench/model.py's processes; `(default)` on the
     one `--precision auto` picks (as ours' process says)."""
-    runs = {p: run_side("ours", "inference", args.repeats, SIZE, args.threads, precision=p) for p in PRECISIONS}
+    runs = {p: run_side("ours", "inference", args.repeats, SIZE, args.threads, precision=p) for p in args.precisions}
     default = runs["float32"]["auto"][0]
     return [(f"ours (MLX, {p})" + (" (default)" if p == default else ""), result) for p, result in runs.items()]
 
@@ -277,7 +280,8 @@ def measure_rows(directory: Path, args, notes: list) -> tuple:
         rows.append((f"onnxruntime, our ONNX file ({sampler} sampler)", result))
     rows += openvino_rows(directory, args, notes)
     for precision, label in TORCH_LABELS.items():
-        rows.append((label, run_side("torch", "inference", args.repeats, SIZE, args.threads, precision=precision)))
+        if precision in args.precisions:
+            rows.append((label, run_side("torch", "inference", args.repeats, SIZE, args.threads, precision=precision)))
     return rows, exports
 
 
@@ -309,16 +313,19 @@ def main(argv=None):
         return
 
     load_before, notes = os.getloadavg()[0], []
+    # bfloat16 rows only where its products are fast (PyTorch's autocast needs the same instructions)
+    fast, why = kernels.bfloat16_products()
+    args.precisions = PRECISIONS if fast else ("float32",)
     with tempfile.TemporaryDirectory() as directory:
         rows, exports = measure_rows(Path(directory), args, notes)
     versions = sorted({f"{name.split(' (')[0]}: {result['versions']}" for name, result in rows})
     default = next(result for name, result in rows if name.endswith("(default)"))
-    flags = kernels.onednn.bfloat16_instructions()
     lines = [
         f"R50 Deformable DETR inference, batch 1, {SIZE[0]} x {SIZE[1]}, random weights (configs/r50.yaml)",
-        f"CPU: {cpu_model()}, bfloat16 instructions: {', '.join(flags) or 'none'} "
-        f"(of {', '.join(kernels.onednn.BFLOAT16_FLAGS)}); {args.threads} threads for each side; "
-        f"{datetime.date.today().isoformat()}; python {platform.python_version()}",
+        f"CPU: {cpu_model()}{instruction_caps()}; bfloat16 products {'fast' if fast else 'not fast'}: {why}"
+        + ("" if fast else " (the bfloat16 rows, PyTorch's and ours, skipped)")
+        + f"; {args.threads} threads for each side; {datetime.date.today().isoformat()}; "
+        f"python {platform.python_version()}",
         *versions,
         f"`--precision auto` picks {default['auto'][0]} here ({default['auto'][1]}): ours' default",
         *exports,

@@ -23,16 +23,21 @@ Inference: batch 1 at 800 x 1066 (the authors' evaluation size). Rows `PyTorch (
 `PyTorch (autocast bfloat16)`, `ours (MLX, float32)` and `ours (MLX, bfloat16)` (the forward inside
 `kernels.onednn.products_in(mx.bfloat16)`: float32 weights and activations, the convolutions' and
 linears' products in bfloat16, as `--precision bfloat16` predicts); `(default)` marks the one
-`--precision auto` picks on this machine (`models.precision.inference_precision`: bfloat16 on a CPU
-with AMX-BF16 or AVX512-BF16, float32 elsewhere; asked in ours' measuring process).
+`--precision auto` picks on this machine (`models.precision.resolve_precision`: bfloat16 where its
+products are fast, float32 elsewhere; asked in ours' measuring process).
 Training: batch 2 at each `--train-size`, forward, Hungarian matching, losses, backward and an AdamW
 step; ours in float32 with activation checkpointing off and on (`train.activation_checkpointing`),
 the R50 configs' default (`auto`: off where the step fits the memory budget without it, as here for
 these steps) marked `(default)`, and `ours (MLX, bfloat16)`: `train.precision=bfloat16` (bfloat16
 weight copies and activations through oneDNN) with that default checkpointing choice; with MLX's own
 peak (`mx.get_peak_memory`: arrays only) beside the process's.
+Where bfloat16 products are not fast (kernels.bfloat16_products: a CPU without AMX or AVX512-BF16, or
+one capped below them), the bfloat16 rows, PyTorch's and ours, are skipped and the header says why:
+they cannot be fast there (PyTorch's autocast bfloat16 inference took 123 s against 5.35 s at float32
+on a Zen 2), and the run finishes in minutes.
 The table gives, per row, its seconds, PyTorch float32's time / its time (> 1: faster than PyTorch
-float32) and its peaks; the header names the CPU and its bfloat16 instructions (/proc/cpuinfo).
+float32) and its peaks; the header names the CPU, any instruction-set caps (bench/common.py's AS_AVX2)
+and whether bfloat16 products are fast.
 Writes `model_cpu.txt` and `model_cpu.png` (seconds per image, a bar per row) to --output-dir
 (default bench/results).
 """
@@ -53,7 +58,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import kernels  # noqa: E402
 from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 
-from common import bars, cpu_model, image_sizes, load_average, measured, median_time  # noqa: E402
+from common import bars, cpu_model, image_sizes, instruction_caps, load_average, measured, median_time  # noqa: E402
 
 SIZE = (800, 1066)
 PRECISIONS = ("float32", "bfloat16")  # each side's rows (PyTorch's bfloat16: autocast)
@@ -103,16 +108,17 @@ def measure_ours(task, repeats, size, checkpointing, precision):
     activations either way), or a training step at `train.precision=precision`. The result says what
     `--precision auto` picks here (`auto`: [precision, why])."""
     import kernels
-    from deformable_detr.models.precision import DTYPES, inference_precision
+    from deformable_detr.models.precision import DTYPES, resolve_precision
 
     import mlx.core as mx
 
     _, model, trainer, images, mask, targets = ours_setup(task, size, checkpointing, precision)
     if task == "inference":
         x, m = mx.array(images), mx.array(mask)
+        kept = kernels.onednn.kept_weights()
 
         def run():
-            with kernels.onednn.products_in(DTYPES[precision]):  # as Detector.products()
+            with kernels.onednn.products_in(DTYPES[precision], kept):  # as Detector.products()
                 mx.eval(model(x, m))
 
         seconds = median_time(run, repeats)
@@ -123,7 +129,7 @@ def measure_ours(task, repeats, size, checkpointing, precision):
         "seconds": seconds,
         "batch": len(images),
         "mlx_peak_mib": mx.get_peak_memory() / 2**20,
-        "auto": inference_precision("auto"),
+        "auto": [resolve_precision("auto").ran, resolve_precision("auto").reason],
         "versions": f"mlx {mx.__version__}, attention backend {backend}, BLAS {kernels.blas.description()}, "
         f"convolutions and linears on {kernels.onednn.describe()}",
     }
@@ -221,7 +227,7 @@ def ours_runs(task: str, size: tuple, args) -> list:
     default choice marked, then `train.precision=bfloat16` with that checkpointing."""
     run = partial(run_side, "ours", task, args.repeats, size, args.threads)
     if task == "inference":
-        runs = {precision: run(precision=precision) for precision in PRECISIONS}
+        runs = {precision: run(precision=precision) for precision in args.precisions}
         default = runs["float32"]["auto"][0]
         return [
             (f"ours (MLX, {precision})" + (" (default)" if precision == default else ""), result)
@@ -237,8 +243,9 @@ def ours_runs(task: str, size: tuple, args) -> list:
         )
         for checkpointing, result in runs.items()
     ]
-    bfloat16 = run(default, precision="bfloat16")
-    rows.append((f"ours (MLX, bfloat16), checkpointing {'on' if default else 'off'}", bfloat16))
+    if "bfloat16" in args.precisions:
+        bfloat16 = run(default, precision="bfloat16")
+        rows.append((f"ours (MLX, bfloat16), checkpointing {'on' if default else 'off'}", bfloat16))
     return rows
 
 
@@ -254,6 +261,7 @@ def compare(task: str, size: tuple, args, versions: set, auto: list) -> tuple:
     runs = [
         (label, run_side("torch", task, args.repeats, size, args.threads, torch_malloc=args.torch_malloc, precision=p))
         for p, label in TORCH_LABELS.items()
+        if p in args.precisions
     ]
     runs += ours_runs(task, size, args)
     reference = runs[0][1]["seconds"]  # PyTorch float32
@@ -305,11 +313,14 @@ def main(argv=None):
 
     jobs = [("inference", SIZE)] if args.task in ("inference", "both") else []
     jobs += [("train", size) for size in train_sizes] if args.task in ("train", "both") else []
-    flags = kernels.onednn.bfloat16_instructions()  # /proc/cpuinfo only: oneDNN is not loaded here
+    # bfloat16 rows only where its products are fast (PyTorch's autocast needs the same instructions)
+    fast, why = kernels.bfloat16_products()
+    args.precisions = PRECISIONS if fast else ("float32",)
     lines = [
-        f"run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
-        f"bfloat16 instructions: {', '.join(flags) or 'none'} (of {', '.join(kernels.onednn.BFLOAT16_FLAGS)}); "
-        f"load average at start: {load_average()}",
+        f"run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}"
+        f"{instruction_caps()}; bfloat16 products {'fast' if fast else 'not fast'}: {why}"
+        + ("" if fast else " (the bfloat16 rows, PyTorch's and ours, skipped)")
+        + f"; load average at start: {load_average()}",
         f"machine: {platform.machine()}, {platform.system()}, {args.threads} cores used by each process, "
         f"python {platform.python_version()}",
         f"median of {args.repeats} after a warm-up, each row in its own process, one after another; "
