@@ -31,9 +31,11 @@ def cpu_model(count: bool = False) -> str:
 
 
 # What makes a newer x86 CPU compute as an older one does, for each library (bench/README.md#reproduce):
-# oneDNN's kernels (ours and PyTorch's), OpenBLAS's (ours), ATen's vector code and MKL's (PyTorch's).
+# oneDNN's kernels (ours and PyTorch's), OpenBLAS's and our attention kernel's (ours), ATen's vector
+# code and MKL's (PyTorch's).
 AS_AVX2 = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "KERNELS_ATTENTION_ISA": "1",
     "OPENBLAS_CORETYPE": "Haswell",
     "ATEN_CPU_CAPABILITY": "avx2",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",

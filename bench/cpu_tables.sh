@@ -6,12 +6,13 @@
 #     bash bench/cpu_tables.sh zen4-as-avx2 --as-avx2        # a newer CPU computing as an AVX2 one does
 #
 # --as-avx2 sets bench/common.py's AS_AVX2 for every side: oneDNN's kernels (ours and PyTorch's),
-# OpenBLAS's, ATen's vector code and MKL's capped to AVX2.
+# OpenBLAS's, our attention kernel's, ATen's vector code and MKL's capped to AVX2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:?usage: bash bench/cpu_tables.sh KIND [--as-avx2]}
 if [ "${2:-}" = --as-avx2 ]; then
-    export ONEDNN_MAX_CPU_ISA=AVX2 OPENBLAS_CORETYPE=Haswell ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+    export ONEDNN_MAX_CPU_ISA=AVX2 KERNELS_ATTENTION_ISA=1 OPENBLAS_CORETYPE=Haswell ATEN_CPU_CAPABILITY=avx2 \
+        MKL_ENABLE_INSTRUCTIONS=AVX2
 fi
 out=bench/results/cpu/$kind
 mkdir -p "$out"
@@ -19,4 +20,5 @@ python bench/model.py --train-size 512x683 --repeats 3 --output-dir "$out"
 python bench/deploy.py --repeats 3 --no-mlxfn --output-dir "$out"
 python bench/attention.py --output "$out/attention_cpu.txt"
 python bench/shape_memory.py --output "$out/shape_memory_cpu.txt"
+python bench/conv_backward.py --output "$out/conv_backward_cpu.txt"
 python bench/tables.py

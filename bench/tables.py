@@ -6,7 +6,8 @@ bench/results/cpu/KIND/ (each script's own output, its first line saying when an
 
 A kind's folder holds what these scripts wrote there (each optional): model.py --output-dir (inference and
 training steps against PyTorch), deploy.py --output-dir (runtimes on our ONNX file), attention.py --output
-(the attention core), shape_memory.py --output (memory over many image shapes). bench/README.md#reproduce
+(the attention core), shape_memory.py --output (memory over many image shapes), conv_backward.py --output
+(the backward passes' ways). bench/README.md#reproduce
 says how to run them for a new kind.
 """
 
@@ -25,6 +26,7 @@ FILES = {
     "deploy_cpu.txt": ("R50 inference where a model is deployed (`deploy.py`)", ("CPU:",)),
     "attention_cpu.txt": ("the attention core against the authors' PyTorch core (`attention.py`)", ("machine:",)),
     "shape_memory_cpu.txt": ("memory over many image shapes, oneDNN against none (`shape_memory.py`)", ("date:",)),
+    "conv_backward_cpu.txt": ("each backward pass, oneDNN's kernel against the patches (`conv_backward.py`)", ("date:",)),
 }
 
 

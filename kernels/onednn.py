@@ -15,10 +15,10 @@ products (`--precision bfloat16` at inference), and bfloat16 activations give bf
 
 Memory: each shape's primitives (a plan) are kept in a least-recently-used cache of
 DEFORMABLE_DETR_ONEDNN_PLANS plans of each kind (default 512; oneDNN's own primitive cache the same),
-their scratchpads allocated for a call only; inside `products_in(..., keep_weights=True)`
-(a Detector's forwards) the weights' copies in oneDNN's layouts are kept, at most
-DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB MiB (default 512). Before, a process grew by every new image shape's
-primitives without bound (46 MiB a shape in R50 training on AVX2; bench/shape_memory.py).
+their scratchpads allocated for a call only; a Detector keeps its weights' copies in oneDNN's layouts in
+its own store (`kept_weights`, at most DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB MiB, default 512), freed with
+it. Before, a process grew by every new image shape's primitives without bound (46 MiB a shape in R50
+training on AVX2; bench/shape_memory.py).
 
 Where it is not used: off the CPU (Metal on a Mac keeps MLX's kernels), in `export_mode()` (an
 exported file holds MLX ops), where the extension or the library is missing (one line on stderr, once,
@@ -51,8 +51,8 @@ from .cpu import threads
 from .export import exporting
 
 VARIABLE = "DEFORMABLE_DETR_ONEDNN"
-# The caches' capacities (native/onednn.cpp): plans (a shape's primitives) of each kind, and MiB of kept
-# weight copies (inference); oneDNN's own primitive cache gets the plans' capacity.
+# The caches' capacities (native/onednn.cpp): plans (a shape's primitives) of each kind (oneDNN's own
+# primitive cache gets the same), and MiB of a model's kept weight copies (`kept_weights`).
 PLANS_VARIABLE, PLANS = "DEFORMABLE_DETR_ONEDNN_PLANS", 512
 WEIGHTS_VARIABLE, WEIGHTS_MIB = "DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB", 512
 DISTRIBUTION = "onednn-cpu-gomp"
@@ -86,7 +86,7 @@ def _load():
         return None, f"kernels._onednn cannot be loaded ({error}); reinstalling the package builds it"
     if module.mlx_version != mx.__version__:
         return None, f"kernels._onednn was built against MLX {module.mlx_version}, not {mx.__version__}"
-    module.set_capacity(_whole_number(PLANS_VARIABLE, PLANS), _whole_number(WEIGHTS_VARIABLE, WEIGHTS_MIB) << 20)
+    module.set_capacity(_whole_number(PLANS_VARIABLE, PLANS))
     return module, None
 
 
@@ -132,20 +132,19 @@ def _usable(*arrays):
     return extension
 
 
-_products = ContextVar("kernels_onednn_products", default=(mx.float32, False))
+_products = ContextVar("kernels_onednn_products", default=(mx.float32, None))
 
 
 @contextmanager
-def products_in(dtype, keep_weights: bool | None = None):
+def products_in(dtype, kept=None):
     """Inside, `conv2d` and `linear` of float32 operands run their products in `dtype` (bfloat16 or
-    float32), their results still float32; read when an operation is built (as `export_mode`).
-    `keep_weights`: the weights do not change inside (a model being evaluated), so the copies of them
-    that oneDNN's kernels need (a convolution's weight in its blocked layout, a bfloat16 copy) are kept
-    rather than made at every call (native/onednn.cpp: at most DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB);
+    float32), their results still float32; read when an operation is built (as `export_mode`). `kept`:
+    a model's KeptWeights (`kept_weights()`), where the copies of its weights oneDNN's kernels need (a
+    convolution's weight in its blocked layout, a bfloat16 copy) are kept instead of made at every call;
     None: as outside."""
     if dtype not in (mx.float32, mx.bfloat16):
         raise ValueError(f"products_in: bfloat16 or float32, not {dtype}")
-    token = _products.set((dtype, _products.get()[1] if keep_weights is None else keep_weights))
+    token = _products.set((dtype, _products.get()[1] if kept is None else kept))
     try:
         yield
     finally:
@@ -157,6 +156,15 @@ def products() -> mx.Dtype:
     return _products.get()[0]
 
 
+def kept_weights():
+    """A new store for a model's weight copies (products_in's `kept`), at most
+    DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB MiB (default 512; its `count`, `bytes`, `capacity`), for a model
+    whose weights do not change while it is used (a Detector's: dropped with it, which frees the copies
+    and lets MLX free the weights); None where oneDNN is not used."""
+    extension = module()
+    return None if extension is None else extension.KeptWeights(_whole_number(WEIGHTS_VARIABLE, WEIGHTS_MIB) << 20)
+
+
 def conv2d(x: mx.array, weight: mx.array, stride: int = 1, padding: int = 0, dilation: int = 1):
     """`mx.conv2d(x, weight, stride, padding, dilation)` (x (N, H, W, C), weight (O, k, k, C)) on oneDNN,
     differentiable w.r.t. both, in x's dtype; or None where oneDNN is not used (see the module) or has
@@ -166,8 +174,8 @@ def conv2d(x: mx.array, weight: mx.array, stride: int = 1, padding: int = 0, dil
     extension = _usable(x, weight)
     if extension is None:
         return None
-    dtype, keep = _products.get()
-    return extension.conv2d(x, weight, stride, padding, dilation, dtype == mx.bfloat16, keep, threads())
+    dtype, kept = _products.get()
+    return extension.conv2d(x, weight, stride, padding, dilation, dtype == mx.bfloat16, kept, threads())
 
 
 def linear(x: mx.array, weight: mx.array, bias=None):
@@ -178,16 +186,16 @@ def linear(x: mx.array, weight: mx.array, bias=None):
     extension = _usable(*operands)
     if extension is None or x.ndim == 0 or (bias is not None and bias.ndim != 1):
         return None
-    dtype, keep = _products.get()
+    dtype, kept = _products.get()
     flat = x.reshape(-1, x.shape[-1])
-    y = extension.product(flat, weight, bias, False, True, dtype == mx.bfloat16, keep, threads())
+    y = extension.product(flat, weight, bias, False, True, dtype == mx.bfloat16, kept, threads())
     return None if y is None else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def caches() -> dict:
     """What the extension keeps: {"convolutions", "products": plans (a shape's primitives), "capacity":
-    of each kind; "weights", "weight_bytes": kept weight copies and their size, "weight_capacity"};
-    {} where oneDNN is not used."""
+    of each kind, "onednn_capacity": oneDNN's primitive cache's, "largest_scratchpad": bytes a call has
+    needed at most}; {} where oneDNN is not used."""
     extension = module()
     return {} if extension is None else dict(extension.caches())
 

@@ -6,7 +6,7 @@
 // either operand is bfloat16, in float32 otherwise; an operand of the other dtype is converted on the
 // way in (a oneDNN reorder on every core, into a scratch buffer; a convolution's weight is reordered
 // anyway). The result has the first operand's dtype (x's, a's): float32 operands with bfloat16 products
-// give a float32 result, and no bfloat16 copy of a weight is kept (but by `keep_weight`, below).
+// give a float32 result, and no bfloat16 copy of a weight is kept (but in a KeptWeights, below).
 //
 // Plans: each shape's primitives (a convolution's forward, and backward data and weights where asked;
 // a product's) are made once, on the caller's thread while the graph is built, and kept in a
@@ -19,12 +19,10 @@
 // the process grow by each shape's plans (issue 61: 46 MiB a shape in R50 training).
 //
 // Weights: a convolution's (O, kh, kw, C) weight is reordered into the layout oneDNN's kernel chose
-// (`format_tag::any`; a plain one makes oneDNN 3.2 take its reference loops, 100x slower). With
-// `keep_weight` (the model in evaluation mode: its weights do not change) the reordered copy (and a
-// product's converted one) is kept, keyed by the weight's buffer, which is held so that MLX can
-// neither free nor reuse it while the copy is kept; at most `kept_weight_bytes()` of copies
-// (DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB, default 512), least recently used out first. Otherwise it is
-// reordered at every evaluation (about 2% of an R50 forward), always right whatever the weight's version.
+// (`format_tag::any`; a plain one makes oneDNN 3.2 take its reference loops, 100x slower) at every
+// evaluation (about 2% of an R50 forward), always right whatever the weight's version; or, given a model's
+// KeptWeights (onednn.h: a Detector's, whose weights do not change), once, the copy kept there (and a
+// product's bfloat16 copy of a float32 weight).
 //
 // Threads: oneDNN's OpenMP team, `threads` wide, set on MLX's stream thread before each call.
 
@@ -48,6 +46,7 @@
 #include "oneapi/dnnl/dnnl.hpp"
 
 #include "dispatch.h"
+#include "onednn.h"
 #include "ops.h"  // patches, unpatches: the backward where oneDNN has no fast one
 
 namespace kernels_onednn {
@@ -58,7 +57,8 @@ using tag = dnnl::memory::format_tag;
 using dt = dnnl::memory::data_type;
 using dims = dnnl::memory::dims;
 
-// The product's VJP makes products (never refused: the forward's plan was made for these dtypes).
+// The product's VJP makes products (never refused: the forward's plan was made for these dtypes); a
+// weight's gradient on AVX2 is MLX's (OpenBLAS's), faster there.
 array product_or_throw(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
                        bool transpose_b, bool bfloat16, int threads);
 
@@ -191,14 +191,14 @@ class Plans {
   std::mutex mutex_;
 };
 
-size_t& kept_weight_capacity() {
-  static size_t bytes = size_t(512) << 20;  // kernels/onednn.py sets DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB's
-  return bytes;
-}
+}  // namespace
 
-// Weights in the layout and dtype a primitive wants, by the weight's buffer and that layout.
-class KeptWeights {
+// Weights in the layout and dtype a primitive wants, by the weight's buffer and that layout: a model's
+// store (KeptWeights), at most `capacity` bytes of copies, the least recently used out first.
+class WeightCopies {
  public:
+  explicit WeightCopies(size_t capacity) : capacity_(capacity) {}
+
   dnnl::memory get(const std::shared_ptr<mx::array::Data>& source, const void* data,
                    const dnnl::memory::desc& plain, const dnnl::memory::desc& wanted) {
     if (plain == wanted) return dnnl::memory(plain, engine(), const_cast<void*>(data));
@@ -214,10 +214,13 @@ class KeptWeights {
     dnnl::memory copy = as_wanted(plain, data, wanted);
     const size_t bytes = wanted.get_size();
     std::lock_guard<std::mutex> lock(mutex_);
-    if (bytes <= kept_weight_capacity()) {
+    if (bytes <= capacity_) {
       order_.push_front(Entry{source, data, copy, bytes});
       bytes_ += bytes;
-      trim();
+      while (bytes_ > capacity_) {
+        bytes_ -= order_.back().bytes;
+        order_.pop_back();
+      }
     }
     return copy;
   }
@@ -225,15 +228,7 @@ class KeptWeights {
     std::lock_guard<std::mutex> lock(mutex_);
     return {order_.size(), bytes_};
   }
-  void clear() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    order_.clear();
-    bytes_ = 0;
-  }
-  void shrink() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    trim();
-  }
+  size_t capacity() const { return capacity_; }
 
  private:
   struct Entry {
@@ -242,31 +237,24 @@ class KeptWeights {
     dnnl::memory copy;
     size_t bytes;
   };
-  void trim() {
-    while (bytes_ > kept_weight_capacity()) {
-      bytes_ -= order_.back().bytes;
-      order_.pop_back();
-    }
-  }
+  const size_t capacity_;
   std::list<Entry> order_;  // a model's few dozen weights: a list is fast enough to search
   size_t bytes_ = 0;
   std::mutex mutex_;
 };
 
-KeptWeights& kept_weights() {
-  static KeptWeights kept;
-  return kept;
-}
+KeptWeights::KeptWeights(size_t capacity_bytes) : copies(std::make_shared<WeightCopies>(capacity_bytes)) {}
+size_t KeptWeights::count() const { return copies->size().first; }
+size_t KeptWeights::bytes() const { return copies->size().second; }
+size_t KeptWeights::capacity() const { return copies->capacity(); }
 
-// A weight as `wanted`: kept (see the top) where `source`, its buffer, is given, else converted for this call.
-dnnl::memory weight_as_wanted(const std::shared_ptr<mx::array::Data>& source, const void* data,
+namespace {
+
+// A weight as `wanted`: from `kept` where given (then `source` is its buffer), else converted for this call.
+dnnl::memory weight_as_wanted(const std::shared_ptr<WeightCopies>& kept,
+                              const std::shared_ptr<mx::array::Data>& source, const void* data,
                               const dnnl::memory::desc& plain, const dnnl::memory::desc& wanted) {
-  return source ? kept_weights().get(source, data, plain, wanted) : as_wanted(plain, data, wanted);
-}
-
-// What a Primitive's work keeps of its weight input: its buffer where the copy is to be kept, else nothing.
-std::shared_ptr<mx::array::Data> kept_source(bool keep, const array& weight) {
-  return keep ? weight.data_shared_ptr() : nullptr;
+  return kept ? kept->get(source, data, plain, wanted) : as_wanted(plain, data, wanted);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -293,57 +281,70 @@ struct ConvShape {
   dims pads() const { return {padding, padding}; }
 };
 
+// Why a backward pass goes to the patches (im2col / col2im on every core and OpenBLAS's products, as
+// models/backbone.py's own convolution) rather than oneDNN's `kernel` for it, or "": oneDNN 3.2's older
+// direct JIT kernels lose to them on AVX2 for both passes (weights 1.3-6.7x, a strided convolution's data
+// up to 8x, R50's shapes) and on any ISA for a strided 1 x 1 (1.2-1.6x); its brgemm kernels do not
+// (bench/conv_backward.py; bench/results/cpu/*/conv_backward_cpu.txt). Float32 only: the patches have no
+// bfloat16.
+std::string slower_than_patches(const std::string& kernel, const ConvShape& s) {
+  // DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES=1 keeps them on oneDNN: for bench/conv_backward.py to time both
+  static const bool keep = [] {
+    const char* value = std::getenv("DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  const bool direct_jit = !keep && (kernel.rfind("jit:", 0) == 0 || kernel.rfind("jit_1x1:", 0) == 0);
+  if (!direct_jit || s.product != dt::f32 || s.x_type != dt::f32 || s.w_type != dt::f32) return "";
+  if (kernel.size() > 5 && kernel.compare(kernel.size() - 5, 5, ":avx2") == 0) {
+    return "oneDNN's " + kernel + " is slower than the patches";
+  }
+  if (s.kh == 1 && s.kw == 1 && s.stride > 1) return "oneDNN's " + kernel + " is slower than the patches for a strided 1 x 1";
+  return "";
+}
+
 // The primitives of one shape. `refused`: why oneDNN has no fast forward for it ("" where it has one).
-// The backward passes are made by the first VJP, once, their refusal remembered too (the VJP then takes
-// the patches' way).
+// The backward passes are made by the first VJP, once: each oneDNN's, or, where `data_refused` or
+// `weights_refused` says why not (no fast kernel, a wrong one, or one the patches beat), the patches'.
 struct ConvPlan {
   std::string refused;
   dnnl::convolution_forward::primitive_desc forward_pd;
   dnnl::convolution_forward forward;
-  std::mutex backward_mutex;
-  bool backward_tried = false;
-  std::string backward_refused;
+  std::once_flag backward_made;  // what it makes is assigned, never thrown: a refusal is remembered
+  std::string data_refused, weights_refused;
   dnnl::convolution_backward_data::primitive_desc data_pd;
   dnnl::convolution_backward_data data;
   dnnl::convolution_backward_weights::primitive_desc weights_pd;
   dnnl::convolution_backward_weights weights;
 
-  // Whether the backward passes can run on oneDNN (made here the first time).
-  bool backward(const ConvShape& s) {
-    std::lock_guard<std::mutex> lock(backward_mutex);
-    if (backward_tried) return backward_refused.empty();
-    backward_tried = true;
-    dnnl::convolution_backward_data::primitive_desc made_data;
-    dnnl::convolution_backward_weights::primitive_desc made_weights;
-    try {
-      made_data = dnnl::convolution_backward_data::primitive_desc(
-          engine(), dnnl::algorithm::convolution_direct, s.x_plain(s.x_type), s.w_any(), s.y_plain(s.product),
-          s.strides(), s.dilates(), s.pads(), s.pads(), forward_pd, attributes());
-      backward_refused = refusal(made_data, "its backward data", true);
-    } catch (const std::exception& error) {  // dnnl::error: no implementation at all (a strided 1 x 1 on AVX2)
-      backward_refused = std::string("its backward data: ") + error.what();
-    }
-    if (!backward_refused.empty()) return false;
-    try {
-      made_weights = dnnl::convolution_backward_weights::primitive_desc(
-          engine(), dnnl::algorithm::convolution_direct, s.x_plain(s.product),
-          dnnl::memory::desc({s.o, s.c, s.kh, s.kw}, s.w_type == dt::f32 ? dt::f32 : s.product, tag::any),
-          s.y_plain(s.product), s.strides(), s.dilates(), s.pads(), s.pads(), forward_pd, attributes());
-      backward_refused = refusal(made_weights, "its backward weights", true);
-      const std::string weights_kernel = made_weights.impl_info_str();  // a const char*: compared as a string
-      if (backward_refused.empty() && weights_kernel == "jit_1x1:avx2" && s.stride > 1 && s.c < 8) {
-        backward_refused = "its backward weights: oneDNN 3.2's jit_1x1:avx2 is wrong for a strided 1 x 1 on fewer "
-                           "than 8 channels (tests/test_onednn.py)";
+  void make_backward(const ConvShape& s) {
+    std::call_once(backward_made, [&] {
+      try {
+        data_pd = dnnl::convolution_backward_data::primitive_desc(
+            engine(), dnnl::algorithm::convolution_direct, s.x_plain(s.x_type), s.w_any(), s.y_plain(s.product),
+            s.strides(), s.dilates(), s.pads(), s.pads(), forward_pd, attributes());
+        data_refused = refusal(data_pd, "its backward data", true);
+        if (data_refused.empty()) data_refused = slower_than_patches(data_pd.impl_info_str(), s);
+        if (data_refused.empty()) data = dnnl::convolution_backward_data(data_pd);
+      } catch (const std::exception& error) {  // dnnl::error: no implementation at all
+        data_refused = std::string("its backward data: ") + error.what();
       }
-    } catch (const std::exception& error) {
-      backward_refused = std::string("its backward weights: ") + error.what();
-    }
-    if (!backward_refused.empty()) return false;
-    data_pd = made_data;
-    data = dnnl::convolution_backward_data(data_pd);
-    weights_pd = made_weights;
-    weights = dnnl::convolution_backward_weights(weights_pd);
-    return backward_refused.empty();
+      try {
+        weights_pd = dnnl::convolution_backward_weights::primitive_desc(
+            engine(), dnnl::algorithm::convolution_direct, s.x_plain(s.product),
+            dnnl::memory::desc({s.o, s.c, s.kh, s.kw}, s.w_type == dt::f32 ? dt::f32 : s.product, tag::any),
+            s.y_plain(s.product), s.strides(), s.dilates(), s.pads(), s.pads(), forward_pd, attributes());
+        weights_refused = refusal(weights_pd, "its backward weights", true);
+        const std::string kernel = weights_pd.impl_info_str();  // a const char*: compared as a string
+        if (weights_refused.empty() && kernel == "jit_1x1:avx2" && s.stride > 1 && s.c < 8) {
+          weights_refused = "its backward weights: oneDNN 3.2's jit_1x1:avx2 is wrong for a strided 1 x 1 on "
+                            "fewer than 8 channels (tests/test_onednn.py)";
+        }
+        if (weights_refused.empty()) weights_refused = slower_than_patches(kernel, s);
+        if (weights_refused.empty()) weights = dnnl::convolution_backward_weights(weights_pd);
+      } catch (const std::exception& error) {
+        weights_refused = std::string("its backward weights: ") + error.what();
+      }
+    });
   }
 };
 
@@ -375,25 +376,26 @@ enum class ConvPass { forward, data, weights };
 // cotangent) -> grad w. It holds its plan: an evicted plan lives while a graph still uses it.
 class Conv : public mx::UnaryPrimitive {
  public:
-  Conv(mx::Stream stream, ConvShape shape, std::shared_ptr<ConvPlan> plan, ConvPass pass, bool keep_weight,
-       int threads)
+  Conv(mx::Stream stream, ConvShape shape, std::shared_ptr<ConvPlan> plan, ConvPass pass,
+       std::shared_ptr<WeightCopies> kept, int threads)
       : mx::UnaryPrimitive(stream),
         s_(shape),
         plan_(std::move(plan)),
         pass_(pass),
-        keep_weight_(keep_weight),
+        kept_(std::move(kept)),
         threads_(threads) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
     encoder.dispatch([plan = plan_, s = s_, pass = pass_, threads = threads_, first = inputs[0].data<void>(),
-                      second = inputs[1].data<void>(), source = kept_source(keep_weight_, inputs[1]),
+                      second = inputs[1].data<void>(), kept = kept_,
+                      source = kept_ ? inputs[1].data_shared_ptr() : nullptr,
                       result = out.data<void>()]() {
       omp_set_num_threads(threads);
       if (pass == ConvPass::forward) {
         auto& pd = plan->forward_pd;
         auto src = as_wanted(s.x_plain(s.x_type), first, pd.src_desc());
-        auto wei = weight_as_wanted(source, second, s.w_plain(s.w_type), pd.weights_desc());
+        auto wei = weight_as_wanted(kept, source, second, s.w_plain(s.w_type), pd.weights_desc());
         dnnl::memory dst(pd.dst_desc(), engine(), result);
         execute(plan->forward, pd.scratchpad_desc(),
                 {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
@@ -429,23 +431,28 @@ class Conv : public mx::UnaryPrimitive {
   std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
                          const std::vector<int>& argnums, const std::vector<array>&) override {
     if (pass_ != ConvPass::forward) throw std::runtime_error("kernels._onednn conv2d: no second derivatives");
-    if (!plan_->backward(s_)) {  // oneDNN has no fast backward for this shape (remembered in the plan)
-      const bool float32 = s_.x_type == dt::f32 && s_.w_type == dt::f32 && s_.product == dt::f32;
-      return float32 ? patches_vjp(primals, cotangents, argnums) : mlx_vjp(primals, cotangents, argnums);
+    plan_->make_backward(s_);
+    const bool float32 = s_.x_type == dt::f32 && s_.w_type == dt::f32 && s_.product == dt::f32;
+    for (int arg : argnums) {  // a pass neither oneDNN nor the patches run (bfloat16): MLX's, all of them
+      if (!float32 && !(arg == 0 ? plan_->data_refused : plan_->weights_refused).empty()) {
+        return mlx_vjp(primals, cotangents, argnums);
+      }
     }
     const auto& x = primals[0];
     const auto& w = primals[1];
     auto cotangent = mx::contiguous(mx::astype(cotangents[0], x.dtype(), stream()), false, stream());
     std::vector<array> grads;
     for (int arg : argnums) {
-      if (arg == 0) {
+      if (arg == 0 && plan_->data_refused.empty()) {
         grads.push_back(array(x.shape(), x.dtype(),
-                              std::make_shared<Conv>(stream(), s_, plan_, ConvPass::data, false, threads_),
+                              std::make_shared<Conv>(stream(), s_, plan_, ConvPass::data, nullptr, threads_),
                               {cotangent, w}));
-      } else {
+      } else if (arg == 1 && plan_->weights_refused.empty()) {
         grads.push_back(array(w.shape(), w.dtype(),
-                              std::make_shared<Conv>(stream(), s_, plan_, ConvPass::weights, false, threads_),
+                              std::make_shared<Conv>(stream(), s_, plan_, ConvPass::weights, nullptr, threads_),
                               {x, cotangent}));
+      } else {
+        grads.push_back(patches_gradient(arg, x, w, cotangent));
       }
     }
     return grads;
@@ -453,28 +460,21 @@ class Conv : public mx::UnaryPrimitive {
 
   const char* name() const override { return "KernelsOnednnConv"; }
 
-  // The gradients as models/backbone.py's patches convolution takes them (float32), on every core: the
-  // weight's, the cotangent times the input's patches (im2col); the input's, the transpose of patches
-  // (col2im) of the cotangent times the weight. Where oneDNN has no fast backward pass: a strided 1 x 1
-  // of an odd size or a dilated 3 x 3 on AVX2, whose only kernel is its im2col + GEMM.
-  std::vector<array> patches_vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
-                                 const std::vector<int>& argnums) {
+  // A gradient as models/backbone.py's patches convolution takes it (float32), on every core: the
+  // weight's (arg 1), the cotangent times the input's patches (im2col); the input's (arg 0), the transpose
+  // of patches (col2im) of the cotangent times the weight. For a pass oneDNN has no fast or right kernel
+  // for, or one the patches beat (ConvPlan).
+  array patches_gradient(int arg, const array& x, const array& w, const array& cotangent) {
     const mx::Stream on = stream();
-    const auto cotangent = mx::reshape(mx::astype(cotangents[0], mx::float32, on), {-1, s_.o}, on);
-    std::vector<array> grads;
-    for (int arg : argnums) {
-      if (arg == 0) {
-        auto columns = mx::matmul(cotangent, mx::reshape(primals[1], {s_.o, -1}, on), on);
-        columns = mx::reshape(columns, {s_.n, s_.out_h(), s_.out_w(), -1}, on);
-        grads.push_back(kernels::unpatches(columns, s_.h, s_.w, s_.kh, s_.kw, s_.stride, s_.padding, s_.dilation,
-                                           threads_));
-      } else {
-        auto columns = kernels::patches(primals[0], s_.kh, s_.kw, s_.stride, s_.padding, s_.dilation, threads_);
-        columns = mx::reshape(columns, {-1, s_.kh * s_.kw * s_.c}, on);
-        grads.push_back(mx::reshape(mx::matmul(mx::transpose(cotangent, on), columns, on), primals[1].shape(), on));
-      }
+    const auto rows = mx::reshape(cotangent, {-1, s_.o}, on);
+    if (arg == 0) {
+      auto columns = mx::matmul(rows, mx::reshape(w, {s_.o, -1}, on), on);
+      columns = mx::reshape(columns, {s_.n, s_.out_h(), s_.out_w(), -1}, on);
+      return kernels::unpatches(columns, s_.h, s_.w, s_.kh, s_.kw, s_.stride, s_.padding, s_.dilation, threads_);
     }
-    return grads;
+    auto columns = kernels::patches(x, s_.kh, s_.kw, s_.stride, s_.padding, s_.dilation, threads_);
+    columns = mx::reshape(columns, {-1, s_.kh * s_.kw * s_.c}, on);
+    return mx::reshape(mx::matmul(mx::transpose(rows, on), columns, on), w.shape(), on);
   }
 
   // The gradients of mx::conv2d of the operands as the products used them (bfloat16 operands or products).
@@ -498,14 +498,14 @@ class Conv : public mx::UnaryPrimitive {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Conv&>(other);
-    return s_.key() == o.s_.key() && pass_ == o.pass_ && keep_weight_ == o.keep_weight_ && threads_ == o.threads_;
+    return s_.key() == o.s_.key() && pass_ == o.pass_ && kept_ == o.kept_ && threads_ == o.threads_;
   }
 
  private:
   ConvShape s_;
   std::shared_ptr<ConvPlan> plan_;
   ConvPass pass_;
-  bool keep_weight_;
+  std::shared_ptr<WeightCopies> kept_;
   int threads_;
 };
 
@@ -565,17 +565,19 @@ std::shared_ptr<ProductPlan> product_plan(const ProductShape& s) {
 
 class Product : public mx::UnaryPrimitive {
  public:
-  Product(mx::Stream stream, ProductShape shape, std::shared_ptr<ProductPlan> plan, bool keep_weight, int threads)
-      : mx::UnaryPrimitive(stream), s_(shape), plan_(std::move(plan)), keep_weight_(keep_weight), threads_(threads) {}
+  Product(mx::Stream stream, ProductShape shape, std::shared_ptr<ProductPlan> plan,
+          std::shared_ptr<WeightCopies> kept, int threads)
+      : mx::UnaryPrimitive(stream), s_(shape), plan_(std::move(plan)), kept_(std::move(kept)), threads_(threads) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
     encoder.dispatch([plan = plan_, s = s_, threads = threads_, a = inputs[0].data<void>(), b = inputs[1].data<void>(),
-                      source = kept_source(keep_weight_, inputs[1]), bias = s_.bias ? inputs[2].data<void>() : nullptr,
+                      kept = kept_, source = kept_ ? inputs[1].data_shared_ptr() : nullptr,
+                      bias = s_.bias ? inputs[2].data<void>() : nullptr,
                       result = out.data<void>()]() {
       omp_set_num_threads(threads);
       auto src = as_wanted(s.a_desc(s.a_type), a, plan->pd.src_desc());
-      auto wei = weight_as_wanted(source, b, s.b_desc(s.b_type), plan->pd.weights_desc());
+      auto wei = weight_as_wanted(kept, source, b, s.b_desc(s.b_type), plan->pd.weights_desc());
       dnnl::memory dst(plan->pd.dst_desc(), engine(), result);
       std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
       if (s.bias) args.insert({DNNL_ARG_BIAS, dnnl::memory(s.bias_desc(), engine(), const_cast<void*>(bias))});
@@ -613,13 +615,13 @@ class Product : public mx::UnaryPrimitive {
   const char* name() const override { return "KernelsOnednnProduct"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Product&>(other);
-    return s_.key() == o.s_.key() && keep_weight_ == o.keep_weight_ && threads_ == o.threads_;
+    return s_.key() == o.s_.key() && kept_ == o.kept_ && threads_ == o.threads_;
   }
 
  private:
   ProductShape s_;
   std::shared_ptr<ProductPlan> plan_;
-  bool keep_weight_;
+  std::shared_ptr<WeightCopies> kept_;
   int threads_;
 };
 
@@ -650,33 +652,34 @@ ProductShape product_shape(const array& a, const array& b, const std::optional<a
 }
 
 array product_array(const ProductShape& s, std::shared_ptr<ProductPlan> plan, const array& a, const array& b,
-                    const std::optional<array>& bias, bool keep_weight, int threads) {
+                    const std::optional<array>& bias, std::shared_ptr<WeightCopies> kept, int threads) {
   const auto stream = mx::default_stream(mx::Device::cpu);
   std::vector<array> inputs{mx::contiguous(a, false, stream), mx::contiguous(b, false, stream)};
   if (bias) inputs.push_back(mx::contiguous(*bias, false, stream));
-  return array({s.m, s.n}, a.dtype(), std::make_shared<Product>(stream, s, std::move(plan), keep_weight, threads),
+  return array({s.m, s.n}, a.dtype(), std::make_shared<Product>(stream, s, std::move(plan), std::move(kept), threads),
                std::move(inputs));
 }
 
 }  // namespace
 
 std::optional<array> conv2d(const array& x, const array& weight, int stride, int padding, int dilation, bool bfloat16,
-                            bool keep_weight, int threads) {
+                            const KeptWeights* kept, int threads) {
   const ConvShape s = conv_shape(x, weight, stride, padding, dilation, bfloat16);
   auto plan = conv_plan(s);  // made here, on the caller's thread
   if (!plan->refused.empty()) return std::nullopt;
   const auto stream = mx::default_stream(mx::Device::cpu);
   return array({s.n, s.out_h(), s.out_w(), s.o}, x.dtype(),
-               std::make_shared<Conv>(stream, s, std::move(plan), ConvPass::forward, keep_weight, threads),
+               std::make_shared<Conv>(stream, s, std::move(plan), ConvPass::forward, kept ? kept->copies : nullptr,
+                                      threads),
                {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
 }
 
 std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
-                             bool transpose_b, bool bfloat16, bool keep_weight, int threads) {
+                             bool transpose_b, bool bfloat16, const KeptWeights* kept, int threads) {
   const ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
   auto plan = product_plan(s);
   if (!plan->refused.empty()) return std::nullopt;
-  return product_array(s, std::move(plan), a, b, bias, keep_weight, threads);
+  return product_array(s, std::move(plan), a, b, bias, kept ? kept->copies : nullptr, threads);
 }
 
 array product_or_throw(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
@@ -684,7 +687,14 @@ array product_or_throw(const array& a, const array& b, const std::optional<array
   const ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
   auto plan = product_plan(s);
   if (!plan->refused.empty()) throw std::runtime_error("kernels._onednn: " + plan->refused);
-  return product_array(s, std::move(plan), a, b, bias, false, threads);
+  const bool float32 = s.a_type == dt::f32 && s.b_type == dt::f32 && s.product == dt::f32;
+  if (float32 && transpose_a && !bias && std::string(plan->pd.impl_info_str()).rfind("gemm:jit", 0) == 0) {
+    // A weight's gradient (a long reduction, a stored transposed): oneDNN 3.2's sgemm, all it has for float32
+    // products on AVX2, took 1.2-2.2x OpenBLAS's time for R50's (bench/conv_backward.py): MLX's.
+    const auto stream = mx::default_stream(mx::Device::cpu);
+    return mx::matmul(mx::transpose(a, stream), transpose_b ? mx::transpose(b, stream) : b, stream);
+  }
+  return product_array(s, std::move(plan), a, b, bias, nullptr, threads);
 }
 
 std::string describe() {
@@ -694,7 +704,8 @@ std::string describe() {
 }
 
 // The implementations oneDNN chose for this convolution ("brgconv:avx512_core_bf16"; with `backward`,
-// "forward; backward data; backward weights"), or why it is refused.
+// "forward; backward data; backward weights", a pass the patches run as "patches (why)"), or why it is
+// refused.
 std::string conv2d_implementation(const array& x, const array& weight, int stride, int padding, int dilation,
                                   bool bfloat16, bool backward) {
   const ConvShape s = conv_shape(x, weight, stride, padding, dilation, bfloat16);
@@ -702,34 +713,31 @@ std::string conv2d_implementation(const array& x, const array& weight, int strid
   if (!plan->refused.empty()) return "refused: " + plan->refused;
   const std::string forward = plan->forward_pd.impl_info_str();
   if (!backward) return forward;
-  if (!plan->backward(s)) return forward + "; refused: " + plan->backward_refused;
-  return forward + "; " + plan->data_pd.impl_info_str() + "; " + plan->weights_pd.impl_info_str();
+  plan->make_backward(s);
+  auto pass = [](const std::string& refused, const char* kernel) {
+    return refused.empty() ? std::string(kernel) : "patches (" + refused + ")";
+  };
+  return forward + "; " + pass(plan->data_refused, plan->data_pd ? plan->data_pd.impl_info_str() : "") + "; " +
+         pass(plan->weights_refused, plan->weights_pd ? plan->weights_pd.impl_info_str() : "");
 }
 
 // {"convolutions", "products": plans kept; "capacity" of each; "onednn_capacity": of oneDNN's primitive
-// cache; "weights", "weight_bytes": weight copies kept, their size; "weight_capacity"; "largest_scratchpad":
-// the most a call has needed}.
+// cache; "largest_scratchpad": the most a call has needed}.
 std::unordered_map<std::string, size_t> caches() {
-  const auto [weights, bytes] = kept_weights().size();
   return {{"convolutions", conv_plans().size()},
           {"products", product_plans().size()},
           {"capacity", plan_capacity_value()},
           {"onednn_capacity", size_t(dnnl::get_primitive_cache_capacity())},
-          {"weights", weights},
-          {"weight_bytes", bytes},
-          {"weight_capacity", kept_weight_capacity()},
           {"largest_scratchpad", largest_scratchpad.load()}};
 }
 
-// At most `plans` plans of each kind (and as many primitives in oneDNN's own cache), `weight_bytes` of
-// kept weights; the least recently used go at once.
-void set_capacity(size_t plans, size_t weight_bytes) {
+// At most `plans` plans of each kind (and as many primitives in oneDNN's own cache); the least recently
+// used go at once.
+void set_capacity(size_t plans) {
   plan_capacity_value() = plans;
-  kept_weight_capacity() = weight_bytes;
   dnnl::set_primitive_cache_capacity(int(plans));
   conv_plans().shrink();
   product_plans().shrink();
-  kept_weights().shrink();
 }
 
 }  // namespace kernels_onednn

@@ -6,35 +6,28 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unordered_map.h>
 
-#include "mlx/array.h"
 #include "mlx/version.h"
+#include "onednn.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
-
-namespace kernels_onednn {
-using mlx::core::array;
-std::optional<array> conv2d(const array& x, const array& weight, int stride, int padding, int dilation, bool bfloat16,
-                            bool keep_weight, int threads);
-std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
-                             bool transpose_b, bool bfloat16, bool keep_weight, int threads);
-std::string describe();
-std::string conv2d_implementation(const array& x, const array& weight, int stride, int padding, int dilation,
-                                  bool bfloat16, bool backward);
-std::unordered_map<std::string, size_t> caches();
-void set_capacity(size_t plans, size_t weight_bytes);
-}  // namespace kernels_onednn
+using kernels_onednn::KeptWeights;
 
 NB_MODULE(_onednn, m) {
   m.doc() = "Convolutions and matrix products on oneDNN as MLX operations, with their gradients (kernels/onednn.py)";
   m.attr("mlx_version") = mlx::core::version();
+  nb::class_<KeptWeights>(m, "KeptWeights", "A model's store of its weights' copies in oneDNN's layouts (onednn.h)")
+      .def(nb::init<size_t>(), "capacity_bytes"_a)
+      .def_prop_ro("count", &KeptWeights::count)
+      .def_prop_ro("bytes", &KeptWeights::bytes)
+      .def_prop_ro("capacity", &KeptWeights::capacity);
   m.def("conv2d", &kernels_onednn::conv2d, "x"_a, "weight"_a, "stride"_a, "padding"_a, "dilation"_a, "bfloat16"_a,
-        "keep_weight"_a, "threads"_a);
+        "kept"_a.none(), "threads"_a);
   m.def("product", &kernels_onednn::product, "a"_a, "b"_a, "bias"_a.none(), "transpose_a"_a, "transpose_b"_a,
-        "bfloat16"_a, "keep_weight"_a, "threads"_a);
+        "bfloat16"_a, "kept"_a.none(), "threads"_a);
   m.def("describe", &kernels_onednn::describe);
   m.def("conv2d_implementation", &kernels_onednn::conv2d_implementation, "x"_a, "weight"_a, "stride"_a, "padding"_a,
         "dilation"_a, "bfloat16"_a, "backward"_a = false);
   m.def("caches", &kernels_onednn::caches);
-  m.def("set_capacity", &kernels_onednn::set_capacity, "plans"_a, "weight_bytes"_a);
+  m.def("set_capacity", &kernels_onednn::set_capacity, "plans"_a);
 }

@@ -1,0 +1,44 @@
+// kernels._onednn's C++ face (onednn.cpp), which onednn_bindings.cpp gives to Python.
+
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include "mlx/array.h"
+
+namespace kernels_onednn {
+
+using mlx::core::array;
+
+class WeightCopies;
+
+// A model's store of its weights' copies in the layouts and dtypes oneDNN's kernels want (a convolution's
+// blocked weight, a bfloat16 copy), at most `capacity_bytes`, the least recently used out first; each copy
+// keyed by its weight's buffer, which the store holds (MLX then neither frees nor reuses it). For a model
+// whose weights do not change while it keeps one (a Detector); freed with it.
+struct KeptWeights {
+  explicit KeptWeights(size_t capacity_bytes);
+  size_t count() const;
+  size_t bytes() const;
+  size_t capacity() const;
+  std::shared_ptr<WeightCopies> copies;  // shared with the Primitives in flight
+};
+
+// mx::conv2d(x, weight, stride, padding, dilation) (x (N, H, W, C), weight (O, kh, kw, C)) on oneDNN,
+// differentiable; None where oneDNN has no fast kernel for its forward. `bfloat16`: the products in
+// bfloat16; `kept`: where the weight's copy comes from (none: made at every call).
+std::optional<array> conv2d(const array& x, const array& weight, int stride, int padding, int dilation, bool bfloat16,
+                            const KeptWeights* kept, int threads);
+// op(a) @ op(b) (+ bias), differentiable; None where oneDNN has no fast kernel for it.
+std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
+                             bool transpose_b, bool bfloat16, const KeptWeights* kept, int threads);
+std::string describe();
+std::string conv2d_implementation(const array& x, const array& weight, int stride, int padding, int dilation,
+                                  bool bfloat16, bool backward);
+std::unordered_map<std::string, size_t> caches();
+void set_capacity(size_t plans);
+
+}  // namespace kernels_onednn
