@@ -141,12 +141,13 @@ class Detector:
     def __init__(self, model, cfg: Config, class_names: dict, source=None, precision: Precision | None = None):
         self.model, self.cfg, self.class_names, self.source = model, cfg, class_names, source
         self.precision = precision or Precision()
+        self.kept_weights = kernels.onednn.kept_weights()  # the weights do not change here: their copies kept
         model.eval()
 
     def products(self):
-        """The context the forwards run in: the products in `precision`, the weights' copies in
-        oneDNN's layouts kept (they do not change here; kernels.onednn.products_in)."""
-        return kernels.onednn.products_in(self.precision.dtype, keep_weights=True)
+        """The context the forwards run in: the products in `precision`, the copies of the weights
+        oneDNN's kernels need kept in `kept_weights` (kernels.onednn.products_in)."""
+        return kernels.onednn.products_in(self.precision.dtype, kept=self.kept_weights)
 
     @staticmethod
     def config_for(weights, config=None, overrides=()) -> Config:
