@@ -18,6 +18,7 @@ long here, ours 1.15x.
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import kernels
@@ -28,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bars, cpu_model, median_time  # noqa: E402
+from common import bars, cpu_model, instruction_caps, median_time  # noqa: E402
 from torch_reference import ms_deform_attn_core  # noqa: E402  (the authors' core, shared with the tests)
 
 ENCODER = dict(batch=2, shapes=((100, 134), (50, 67), (25, 34), (13, 17)), heads=8, channels=32, points=4)
@@ -147,7 +148,8 @@ def main(argv=None):
         f"{h} heads x {ENCODER['channels']} channels, {p} points ({args.points}), float32",
         f"machine: {platform.machine()}, {platform.system()}, python {platform.python_version()}, "
         f"mlx {mx.__version__} ({mx.default_device()}); glibc malloc: freed memory kept, both sides (as our "
-        f"commands run); CPU: {cpu_model(count=True)}, load average {os.getloadavg()[0]:.2f} at the start",
+        f"commands run); CPU: {cpu_model(count=True)}{instruction_caps()}, load average {os.getloadavg()[0]:.2f} "
+        f"at the start, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
     ]
     torch_fwd, torch_both, torch_version = time_torch(shapes, arrays, args.repeats, args.threads, args.torch_device)
     where = f"{args.threads} threads" if args.torch_device == "cpu" else "cuda"

@@ -2,7 +2,7 @@
 (im2col / col2im on every core and the BLAS's products, models/backbone.py's own convolution), for every
 trainable convolution's backward data and backward weights; and oneDNN's product against the BLAS's
 (MLX's matmul) for the linears' weight gradients. What kernels/native/onednn.cpp's rules
-(`slower_than_patches`, `product_or_throw`) were read from, and what shows they still hold.
+(`slower_than_patches`, `gradient_product`) were read from, and what shows they still hold.
 
     python bench/conv_backward.py [--size 512x683] [--repeats 5] [--output bench/results/conv_backward_cpu.txt]
 

@@ -26,7 +26,10 @@ FILES = {
     "deploy_cpu.txt": ("R50 inference where a model is deployed (`deploy.py`)", ("CPU:",)),
     "attention_cpu.txt": ("the attention core against the authors' PyTorch core (`attention.py`)", ("machine:",)),
     "shape_memory_cpu.txt": ("memory over many image shapes, oneDNN against none (`shape_memory.py`)", ("date:",)),
-    "conv_backward_cpu.txt": ("each backward pass, oneDNN's kernel against the patches (`conv_backward.py`)", ("date:",)),
+    "conv_backward_cpu.txt": (
+        "each backward pass, oneDNN's kernel against the patches (`conv_backward.py`)",
+        ("date:",),
+    ),
 }
 
 

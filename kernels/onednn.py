@@ -14,7 +14,7 @@ products (`--precision bfloat16` at inference), and bfloat16 activations give bf
 (`bfloat16_kernels`: AMX or AVX512-BF16 kernels; kernels.precision decides from it).
 
 Memory: each shape's primitives (a plan) are kept in a least-recently-used cache of
-DEFORMABLE_DETR_ONEDNN_PLANS plans of each kind (default 512; oneDNN's own primitive cache the same),
+DEFORMABLE_DETR_ONEDNN_PLANS plans of each kind (default 32; oneDNN's own primitive cache the same),
 their scratchpads allocated for a call only; a Detector keeps its weights' copies in oneDNN's layouts in
 its own store (`kept_weights`, at most DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB MiB, default 512), freed with
 it. Before, a process grew by every new image shape's primitives without bound (46 MiB a shape in R50
@@ -53,7 +53,7 @@ from .export import exporting
 VARIABLE = "DEFORMABLE_DETR_ONEDNN"
 # The caches' capacities (native/onednn.cpp): plans (a shape's primitives) of each kind (oneDNN's own
 # primitive cache gets the same), and MiB of a model's kept weight copies (`kept_weights`).
-PLANS_VARIABLE, PLANS = "DEFORMABLE_DETR_ONEDNN_PLANS", 512
+PLANS_VARIABLE, PLANS = "DEFORMABLE_DETR_ONEDNN_PLANS", 32
 WEIGHTS_VARIABLE, WEIGHTS_MIB = "DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB", 512
 DISTRIBUTION = "onednn-cpu-gomp"
 EXPECTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")

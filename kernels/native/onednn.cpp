@@ -10,7 +10,7 @@
 //
 // Plans: each shape's primitives (a convolution's forward, and backward data and weights where asked;
 // a product's) are made once, on the caller's thread while the graph is built, and kept in a
-// least-recently-used cache of `plan_capacity()` plans (DEFORMABLE_DETR_ONEDNN_PLANS, default 512);
+// least-recently-used cache of `plan_capacity()` plans (DEFORMABLE_DETR_ONEDNN_PLANS, default 32);
 // oneDNN's own primitive cache, which holds the same JIT code, gets the same capacity. A shape oneDNN
 // has no fast implementation for is remembered in the same cache as refused, with why: the caller
 // gets None and computes it its own way, without oneDNN being asked again. Every primitive gets its
@@ -59,8 +59,7 @@ using dims = dnnl::memory::dims;
 
 // The product's VJP makes products (never refused: the forward's plan was made for these dtypes); a
 // weight's gradient on AVX2 is MLX's (OpenBLAS's), faster there.
-array product_or_throw(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
-                       bool transpose_b, bool bfloat16, int threads);
+array gradient_product(const array& a, const array& b, bool transpose_a, bool transpose_b, bool bfloat16, int threads);
 
 namespace {
 
@@ -149,7 +148,7 @@ dnnl::memory as_wanted(const dnnl::memory::desc& user_desc, const void* data, co
 // The caches: plans by shape (count), kept weights by buffer (bytes); least recently used out first.
 
 size_t& plan_capacity_value() {
-  static size_t capacity = 512;  // kernels/onednn.py sets DEFORMABLE_DETR_ONEDNN_PLANS' value
+  static size_t capacity = 32;  // kernels/onednn.py sets DEFORMABLE_DETR_ONEDNN_PLANS' value
   return capacity;
 }
 
@@ -298,7 +297,9 @@ std::string slower_than_patches(const std::string& kernel, const ConvShape& s) {
   if (kernel.size() > 5 && kernel.compare(kernel.size() - 5, 5, ":avx2") == 0) {
     return "oneDNN's " + kernel + " is slower than the patches";
   }
-  if (s.kh == 1 && s.kw == 1 && s.stride > 1) return "oneDNN's " + kernel + " is slower than the patches for a strided 1 x 1";
+  if (s.kh == 1 && s.kw == 1 && s.stride > 1) {
+    return "oneDNN's " + kernel + " is slower than the patches for a strided 1 x 1";
+  }
   return "";
 }
 
@@ -599,11 +600,11 @@ class Product : public mx::UnaryPrimitive {
     std::vector<array> grads;
     for (int arg : argnums) {
       if (arg == 0) {
-        grads.push_back(ta ? product_or_throw(b, g, std::nullopt, tb, true, bf16, threads_)
-                           : product_or_throw(g, b, std::nullopt, false, !tb, bf16, threads_));
+        grads.push_back(ta ? gradient_product(b, g, tb, true, bf16, threads_)
+                           : gradient_product(g, b, false, !tb, bf16, threads_));
       } else if (arg == 1) {
-        auto grad = tb ? product_or_throw(g, a, std::nullopt, true, ta, bf16, threads_)
-                       : product_or_throw(a, g, std::nullopt, !ta, false, bf16, threads_);
+        auto grad = tb ? gradient_product(g, a, true, ta, bf16, threads_)
+                       : gradient_product(a, g, !ta, false, bf16, threads_);
         grads.push_back(mx::astype(grad, b.dtype(), stream()));
       } else {
         grads.push_back(mx::astype(kernels_native::sum_over_rows(g, stream()), primals[2].dtype(), stream()));
@@ -682,19 +683,18 @@ std::optional<array> product(const array& a, const array& b, const std::optional
   return product_array(s, std::move(plan), a, b, bias, kept ? kept->copies : nullptr, threads);
 }
 
-array product_or_throw(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
-                       bool transpose_b, bool bfloat16, int threads) {
-  const ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
+array gradient_product(const array& a, const array& b, bool transpose_a, bool transpose_b, bool bfloat16, int threads) {
+  const ProductShape s = product_shape(a, b, std::nullopt, transpose_a, transpose_b, bfloat16);
   auto plan = product_plan(s);
   if (!plan->refused.empty()) throw std::runtime_error("kernels._onednn: " + plan->refused);
   const bool float32 = s.a_type == dt::f32 && s.b_type == dt::f32 && s.product == dt::f32;
-  if (float32 && transpose_a && !bias && std::string(plan->pd.impl_info_str()).rfind("gemm:jit", 0) == 0) {
+  if (float32 && transpose_a && std::string(plan->pd.impl_info_str()).rfind("gemm:jit", 0) == 0) {
     // A weight's gradient (a long reduction, a stored transposed): oneDNN 3.2's sgemm, all it has for float32
     // products on AVX2, took 1.2-2.2x OpenBLAS's time for R50's (bench/conv_backward.py): MLX's.
     const auto stream = mx::default_stream(mx::Device::cpu);
     return mx::matmul(mx::transpose(a, stream), transpose_b ? mx::transpose(b, stream) : b, stream);
   }
-  return product_array(s, std::move(plan), a, b, bias, nullptr, threads);
+  return product_array(s, std::move(plan), a, b, std::nullopt, nullptr, threads);
 }
 
 std::string describe() {
