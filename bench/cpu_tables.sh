@@ -21,4 +21,5 @@ python bench/deploy.py --repeats 3 --no-mlxfn --output-dir "$out"
 python bench/attention.py --output "$out/attention_cpu.txt"
 python bench/shape_memory.py --output "$out/shape_memory_cpu.txt"
 python bench/conv_backward.py --output "$out/conv_backward_cpu.txt"
+python bench/kept_weights.py --output "$out/kept_weights_cpu.txt"
 python bench/tables.py

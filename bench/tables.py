@@ -6,8 +6,8 @@ bench/results/cpu/KIND/ (each script's own output, its first line saying when an
 
 A kind's folder holds what these scripts wrote there (each optional): model.py --output-dir (inference and
 training steps against PyTorch), deploy.py --output-dir (runtimes on our ONNX file), attention.py --output
-(the attention core), shape_memory.py --output (memory over many image shapes), conv_backward.py --output
-(the backward passes' ways). bench/README.md#reproduce
+(the attention core), shape_memory.py --output (memory over many image shapes), kept_weights.py --output
+(inference with kept weight copies). bench/README.md#reproduce
 says how to run them for a new kind.
 """
 
@@ -23,13 +23,10 @@ START, END = "<!-- tables: made by bench/tables.py from bench/results/cpu/ -->",
 # file -> (what it is, the lines kept besides its markdown table: their prefixes)
 FILES = {
     "model_cpu.txt": ("R50 inference and training step against PyTorch (`model.py`)", ("run:", "`--precision auto`")),
-    "deploy_cpu.txt": ("R50 inference where a model is deployed (`deploy.py`)", ("CPU:",)),
+    "deploy_cpu.txt": ("R50 inference where a model is deployed (`deploy.py`)", ("CPU:", "OpenVINO: not")),
     "attention_cpu.txt": ("the attention core against the authors' PyTorch core (`attention.py`)", ("machine:",)),
     "shape_memory_cpu.txt": ("memory over many image shapes, oneDNN against none (`shape_memory.py`)", ("date:",)),
-    "conv_backward_cpu.txt": (
-        "each backward pass, oneDNN's kernel against the patches (`conv_backward.py`)",
-        ("date:",),
-    ),
+    "kept_weights_cpu.txt": ("R50 inference, weights' copies kept or made (`kept_weights.py`)", ("date:",)),
 }
 
 
@@ -43,7 +40,12 @@ def section(kind: Path) -> list[str]:
         text = path.read_text().splitlines()
         lines += [f"{what}, [`{path.relative_to(README.parent)}`]({path.relative_to(README.parent)}):", ""]
         lines += [f"> {line}" for line in text if line.startswith(kept)] + [""]
-        lines += [line for line in text if line.startswith("|")] + [""]
+        for before, line in zip(["", *text], text, strict=False):  # each table, a blank line after it
+            if line.startswith("|"):
+                lines.append(line)
+            elif before.startswith("|"):
+                lines.append("")
+        lines += [] if lines[-1] == "" else [""]
     return lines
 
 

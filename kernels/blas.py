@@ -11,7 +11,7 @@ Which: DEFORMABLE_DETR_BLAS=auto|openblas|mkl|bundled.
 - `auto` (the default): MKL on Intel CPUs where it is installed (the `mkl` extra), else
   OpenBLAS (`scipy-openblas32`, installed on Linux x86-64), else MLX's own. On AMD CPUs MKL runs its
   generic kernels: the model's products took it 1.3-1.6x OpenBLAS's time on an AMD EPYC (AVX-512);
-  on Intel: bench/README.md#which-blas;
+  on Intel: bench/README.md#which-blas-and-what-an-install-costs;
 - `openblas` or `mkl`: that one, where installed; `bundled`: MLX's own.
 scipy-openblas32 names its symbols `scipy_cblas_*`: `libopenblas_cblas.so` (built with the C++
 extension, native/openblas_cblas.cpp) gives MLX them under the names it calls, loaded after OpenBLAS.
