@@ -210,6 +210,12 @@ def test_precision_resolves_once_from_whether_bfloat16_products_are_fast(monkeyp
     assert check_training_precision("float32", even_if_slow=False) is None
     with pytest.raises(ValueError, match="expected one of auto, float32, bfloat16"):
         resolve_precision("fp16")
+    gpu = mx.Device(mx.gpu, 0)  # MLX's bfloat16 is fast there, but inference reaches it through oneDNN only
+    monkeypatch.setattr(mx, "default_device", lambda: gpu)
+    assert kernels.bfloat16_products() == (True, f"MLX's bfloat16 products on {gpu}")
+    said = f"inference's bfloat16 products are oneDNN's: on {gpu} it is float32"
+    assert resolve_precision("bfloat16") == Precision("float32", "bfloat16", f"bfloat16 asked for, but {said}")
+    assert check_training_precision("bfloat16", even_if_slow=False) is None  # training casts its weights there
 
 
 def test_bfloat16_is_fast_only_with_the_instructions_oneDNN_may_use():

@@ -134,14 +134,17 @@ class Precision:
 
 def resolve_precision(asked: str) -> Precision:
     """What runs for `asked` (one of INFERENCE_PRECISIONS), and why: bfloat16 products only where they
-    are fast (`kernels.bfloat16_products`: a GPU, or oneDNN with AMX or AVX512-BF16); `auto` is bfloat16
-    there and float32 elsewhere; `bfloat16` where they are not fast runs float32, the reason saying so
-    (bfloat16 products there would be slower than float32, not faster, with the same weights)."""
+    are fast (`kernels.bfloat16_products`: oneDNN with AMX or AVX512-BF16) and reached (inference's
+    bfloat16 is oneDNN's: on a GPU the forward is float32); `auto` is bfloat16 there and float32
+    elsewhere; `bfloat16` elsewhere runs float32, the reason saying so (bfloat16 products there would be
+    slower than float32, or are not there)."""
     if asked not in INFERENCE_PRECISIONS:
         raise ValueError(f"precision {asked!r}: expected one of {', '.join(INFERENCE_PRECISIONS)}")
     if asked == "float32":
         return Precision("float32", asked, "asked for")
     fast, why = kernels.bfloat16_products()
+    if fast and mx.default_device().type != mx.cpu:  # products_in reaches oneDNN's products only
+        fast, why = False, f"inference's bfloat16 products are oneDNN's: on {mx.default_device()} it is float32"
     if asked == "auto":
         return Precision("bfloat16" if fast else "float32", asked, f"auto: {why}")
     if fast:
