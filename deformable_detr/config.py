@@ -26,9 +26,12 @@ EXIF_FRAMES = ("auto", "displayed", "stored")  # data.exif_orientation's choices
 
 @dataclass
 class ModelConfig:
-    backbone: str = "resnet50"  # resnet18 | resnet34 | resnet50 | resnet101
+    # resnet18 | resnet34 | resnet50 | resnet101 | swin_tiny | swin_small | swin_base | swin_large (window 7) |
+    # swin_base_window12 | swin_large_window12 (window 12, ImageNet-22k at 384)
+    backbone: str = "resnet50"
     backbone_width: int = 64  # channels of the first stage (torchvision: 64); smaller for a small model
     dilation: bool = False  # DC5: dilate the last stage instead of striding it
+    drop_path_rate: float = 0.2  # Swin backbones: stochastic depth's rate in the last block (H-Deformable-DETR's 0.2)
     num_feature_levels: int = 4
     hidden_dim: int = 256
     nheads: int = 8
@@ -45,6 +48,16 @@ class ModelConfig:
     with_box_refine: bool = False
     two_stage: bool = False
     aux_loss: bool = True
+    # H-Deformable-DETR's recipe ("DETRs with Hybrid Matching", github.com/HDETR/H-Deformable-DETR); off in the
+    # authors' configs. mixed_selection, two-stage only: the decoder's positions from the encoder's top proposals,
+    # its content queries learned (query_embed).
+    mixed_selection: bool = False
+    # box refinement: each layer's boxes predicted from the refined boxes of the layer before, the gradient
+    # reaching through them (the same outputs at inference; the weights do not show it)
+    look_forward_twice: bool = False
+    # the hybrid branch: this many more queries, trained one-to-many (loss.k_one2many) and kept from the
+    # num_queries one-to-one queries by the decoder's self-attention mask; in training only (0: none)
+    num_queries_one2many: int = field(default=0, metadata={"range": (0, 1 << 20)})
 
 
 @dataclass
@@ -60,6 +73,10 @@ class LossConfig:
     bbox_loss_coef: float = 5.0
     giou_loss_coef: float = 2.0
     focal_alpha: float = 0.25
+    # the hybrid branch (model.num_queries_one2many): its queries matched to the targets repeated k times,
+    # its losses (suffix _one2many) weighted by lambda
+    k_one2many: int = field(default=6, metadata={"range": (1, 1 << 10)})
+    lambda_one2many: float = 1.0
 
 
 @dataclass
@@ -140,6 +157,9 @@ class EvaluationConfig:
     # COCO AP's implementation: faster_coco_eval (the same numbers, several times faster) where it is
     # installed (auto), else pycocotools
     backend: str = field(default="auto", metadata={"choices": ("auto", "pycocotools", "faster_coco_eval")})
+    # detections kept per image, the best (query, class) pairs: the authors' 100; H-Deformable-DETR's Swin-L
+    # 900-query model reports 57.6 AP with 300 (COCO's AP counts up to 100 per image and class)
+    top_k: int = field(default=100, metadata={"range": (1, 1 << 20)})
 
 
 @dataclass
@@ -164,15 +184,18 @@ class Config:
 # that every key is here.
 TRAINS, RUNS, DATA = "trains", "runs", "data"
 CHANGES_KEY = "changes"  # config.yaml's history of a resumed run's changes (load_config)
-_MODEL_KEYS = ("backbone", "backbone_width", "dilation", "num_feature_levels", "hidden_dim", "nheads", "enc_layers")
+_MODEL_KEYS = ("backbone", "backbone_width", "dilation", "drop_path_rate", "num_feature_levels", "hidden_dim")
+_MODEL_KEYS += ("nheads", "enc_layers")
 _MODEL_KEYS += ("dec_layers", "dim_feedforward", "dropout", "enc_n_points", "dec_n_points", "num_queries")
-_MODEL_KEYS += ("num_classes", "with_box_refine", "two_stage", "aux_loss")
+_MODEL_KEYS += ("num_classes", "with_box_refine", "two_stage", "aux_loss", "mixed_selection", "look_forward_twice")
+_MODEL_KEYS += ("num_queries_one2many",)
 _OPTIMIZER_KEYS = ("lr", "lr_backbone", "freeze_stem_and_layer1", "lr_linear_proj_mult", "lr_linear_proj_names")
 _OPTIMIZER_KEYS += ("weight_decay", "clip_max_norm")
 RESUME_EFFECTS = {
     **{f"model.{key}": TRAINS for key in _MODEL_KEYS},
     **{f"matcher.{key}": TRAINS for key in ("set_cost_class", "set_cost_bbox", "set_cost_giou")},
     **{f"loss.{key}": TRAINS for key in ("cls_loss_coef", "bbox_loss_coef", "giou_loss_coef", "focal_alpha")},
+    **{f"loss.{key}": TRAINS for key in ("k_one2many", "lambda_one2many")},
     **{f"optimizer.{key}": TRAINS for key in _OPTIMIZER_KEYS},
     **{f"schedule.{key}": TRAINS for key in ("epochs", "lr_drop", "batch_size")},
     "schedule.micro_batch_size": RUNS,
@@ -190,6 +213,7 @@ RESUME_EFFECTS = {
     "train.precision_even_if_slow": RUNS,  # a permission: the run computes what train.precision says
     **{f"train.{key}": TRAINS for key in ("precision", "ema_decay", "ema_warmup")},
     "evaluation.backend": RUNS,  # the same numbers
+    "evaluation.top_k": TRAINS,  # the evaluations' AP, hence the best checkpoint and early stopping
     "seed": TRAINS,
 }
 

@@ -47,7 +47,7 @@ def evaluate(
     {model's category id: dataset's} (data/classes.py, the classes met by name; None: the same ids). The
     model is left in the mode it was in."""
     batch_size, training = batch_size or evaluation_batch_size(cfg), model.training
-    detections = predict_detections(model, dataset, batch_size, cfg.data.num_workers)
+    detections = predict_detections(model, dataset, batch_size, cfg.data.num_workers, top_k=cfg.evaluation.top_k)
     detections = to_dataset_classes(detections, class_map)
     model.train(training)
     evaluation = score_detections(dataset, detections, verbose, cfg.evaluation.backend)
@@ -76,9 +76,12 @@ def evaluation_batch_size(cfg) -> int:
     return 2 if micro == "auto" else micro
 
 
-def predict_detections(model, dataset, batch_size: int = 2, num_workers: int = 2, progress: bool = True) -> list:
+def predict_detections(
+    model, dataset, batch_size: int = 2, num_workers: int = 2, progress: bool = True, top_k: int = 100
+) -> list:
     """Run the model over every image of `dataset` (a CocoDetection with its val transforms) -> COCO
-    results: [{"image_id", "category_id", "bbox": [x, y, w, h] in original pixels, "score"}]."""
+    results: [{"image_id", "category_id", "bbox": [x, y, w, h] in original pixels, "score"}], the `top_k`
+    best of each image."""
     loader = DataLoader(dataset, batch_size, shuffle=False, num_workers=num_workers, drop_last=False)
     model.eval()
     detections = []
@@ -87,7 +90,8 @@ def predict_detections(model, dataset, batch_size: int = 2, num_workers: int = 2
             steps, total=loader.batches_per_epoch(), desc="evaluate", disable=not progress
         ):
             outputs = model(mx.array(images), mx.array(mask))
-            detections += coco_results(post_process(outputs, np.stack([t["orig_size"] for t in targets])), targets)
+            sizes = np.stack([t["orig_size"] for t in targets])
+            detections += coco_results(post_process(outputs, sizes, top_k), targets)
     return detections
 
 

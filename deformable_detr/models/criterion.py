@@ -1,8 +1,10 @@
 """`SetCriterion`: the authors' losses (sigmoid focal classification, L1 and GIoU boxes) on matched
 predictions, for the last decoder layer, every auxiliary layer (`_0`.. suffixes) and the two-stage
-encoder proposals (`_enc`)."""
+encoder proposals (`_enc`); with H-Deformable-DETR's hybrid branch, the same for its queries against the
+targets repeated k times (`_one2many`, weighted by lambda: their `train_hybrid`)."""
 
 import mlx.core as mx
+import numpy as np
 
 from .box_ops import box_cxcywh_to_xyxy, generalized_box_iou
 from .matcher import FlatTargets, HungarianMatcher
@@ -24,9 +26,18 @@ class SetCriterion:
     loss is `sum(losses[k] * weight_dict[k] for k in weight_dict)`. `class_error` and
     `cardinality_error` are logged only (no gradient)."""
 
-    def __init__(self, num_classes: int, matcher: HungarianMatcher, weight_dict: dict, focal_alpha: float = 0.25):
+    def __init__(
+        self,
+        num_classes: int,
+        matcher: HungarianMatcher,
+        weight_dict: dict,
+        focal_alpha: float = 0.25,
+        k_one2many: int = 6,
+        lambda_one2many: float = 1.0,
+    ):
         self.num_classes, self.matcher = num_classes, matcher
         self.weight_dict, self.focal_alpha = weight_dict, focal_alpha
+        self.k_one2many, self.lambda_one2many = k_one2many, lambda_one2many
 
     def loss_labels(self, outputs, targets: FlatTargets, query, num_boxes, log=True):
         logits = outputs["pred_logits"]
@@ -73,11 +84,21 @@ class SetCriterion:
         return losses
 
     def __call__(self, outputs: dict, targets: list[dict], num_boxes: float | None = None) -> dict:
-        """`num_boxes`: the number of target boxes per process to normalise by (the authors average it
-        across processes); default: this batch's count, at least 1. Nothing is evaluated: the
-        matching is a lazy operation of the graph."""
+        """`num_boxes`: the number of target boxes per process (the authors average it across
+        processes); default: this batch's count. The losses are divided by it, at least 1 (the hybrid
+        branch's by k times it). Nothing is evaluated: the matching is a lazy operation of the graph."""
         if num_boxes is None:
-            num_boxes = max(float(sum(len(t["labels"]) for t in targets)), 1.0)
+            num_boxes = float(sum(len(t["labels"]) for t in targets))
+        losses = self.set_losses(outputs, targets, max(num_boxes, 1.0))
+        if "one2many" in outputs:
+            k = self.k_one2many
+            repeated = [{"labels": np.tile(t["labels"], k), "boxes": np.tile(t["boxes"], (k, 1))} for t in targets]
+            branch = self.set_losses(outputs["one2many"], repeated, max(k * num_boxes, 1.0))
+            losses.update({f"{key}_one2many": value * self.lambda_one2many for key, value in branch.items()})
+        return losses
+
+    def set_losses(self, outputs: dict, targets: list[dict], num_boxes: float) -> dict:
+        """The losses of one set of queries: its last layer, its aux layers and the encoder's proposals."""
         flat = FlatTargets(targets)
         last = {k: outputs[k] for k in ("pred_logits", "pred_boxes")}
         losses = self.get_losses(last, flat, num_boxes)
@@ -109,4 +130,9 @@ def build_criterion(cfg) -> SetCriterion:
         for i in range(cfg.model.dec_layers - 1):
             weight_dict.update({f"{k}_{i}": v for k, v in base.items()})
         weight_dict.update({f"{k}_enc": v for k, v in base.items()})
-    return SetCriterion(cfg.model.num_classes, matcher, weight_dict, cfg.loss.focal_alpha)
+    if cfg.model.num_queries_one2many:  # the branch's terms, as weighted as the others (lambda is in them)
+        weight_dict.update({f"{k}_one2many": v for k, v in weight_dict.items() if not k.endswith("_enc")})
+    loss = cfg.loss
+    return SetCriterion(
+        cfg.model.num_classes, matcher, weight_dict, loss.focal_alpha, loss.k_one2many, loss.lambda_one2many
+    )

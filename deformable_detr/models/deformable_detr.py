@@ -48,18 +48,25 @@ def _sequential(layers, x):
 class DeformableDETR(nn.Module):
     """images (B, H, W, 3) normalised, mask (B, H, W) True on padding -> dict with `pred_logits`
     (B, Q, num_classes), `pred_boxes` (B, Q, 4) normalised cx, cy, w, h, `aux_outputs` (one such dict
-    per earlier decoder layer) and, for two-stage, `enc_outputs` (the encoder's proposals).
+    per earlier decoder layer) and, for two-stage, `enc_outputs` (the encoder's proposals). With the
+    hybrid branch (H-Deformable-DETR's `num_queries_one2many`) and in training, also `one2many`: its
+    queries' `pred_logits`, `pred_boxes` and `aux_outputs`; at inference the branch's queries are not run.
 
     Without box refinement the authors share one class head and one box head across decoder layers;
     here they are stored once (`class_embed.0`, `bbox_embed.0`). With refinement every layer has its
     own (plus one for the encoder proposals in two-stage), also used by the decoder to refine.
     `m`, the config's model section: num_classes, num_queries, num_feature_levels, aux_loss, with_box_refine,
-    two_stage."""
+    two_stage, mixed_selection, num_queries_one2many."""
 
     def __init__(self, backbone: Backbone, transformer: DeformableTransformer, m: ModelConfig):
         super().__init__()
         hidden_dim, num_classes, num_queries, two_stage = transformer.d_model, m.num_classes, m.num_queries, m.two_stage
+        if m.mixed_selection and not two_stage:
+            raise ValueError("model.mixed_selection needs model.two_stage: it mixes the encoder's proposals in")
+        if m.look_forward_twice and not m.with_box_refine:
+            raise ValueError("model.look_forward_twice needs model.with_box_refine: it looks at the refined boxes")
         self.num_queries, self.num_feature_levels = num_queries, m.num_feature_levels
+        self.num_queries_one2many, self.mixed_selection = m.num_queries_one2many, m.mixed_selection
         self.aux_loss, self.with_box_refine, self.two_stage = m.aux_loss, m.with_box_refine, two_stage
         self.backbone = [backbone]  # the authors' Joiner: backbone.0 is the ResNet, backbone.1 the encoding
         self.position_embedding = PositionEmbeddingSine(hidden_dim // 2)
@@ -70,8 +77,10 @@ class DeformableDETR(nn.Module):
         num_heads = num_pred if m.with_box_refine else 1
         self.class_embed = [ClassHead(hidden_dim, num_classes) for _ in range(num_heads)]
         self.bbox_embed = [MLP(hidden_dim, hidden_dim, 4, 3) for _ in range(num_heads)]
-        if not two_stage:
-            self.query_embed = nn.Embedding(num_queries, hidden_dim * 2)
+        if not two_stage:  # every query's position and content
+            self.query_embed = nn.Embedding(num_queries + m.num_queries_one2many, hidden_dim * 2)
+        elif m.mixed_selection:  # contents only
+            self.query_embed = nn.Embedding(num_queries + m.num_queries_one2many, hidden_dim)
 
         in_channels = backbone.num_channels
         self.input_proj = [
@@ -121,15 +130,18 @@ class DeformableDETR(nn.Module):
         pos = [to(self.position_embedding(m), src.dtype) for m, src in zip(masks, srcs, strict=True)]
 
         num_layers = len(self.transformer.decoder.layers)
+        queries = self.num_queries + (self.num_queries_one2many if self.training else 0)
         hs, init_reference, references, enc_class, enc_coord = self.transformer(
             srcs,
             masks,
             pos,
-            query_embed=None if self.two_stage else self.query_embed.weight,
+            query_embed=self.query_embed.weight[:queries] if "query_embed" in self else None,
+            num_queries=queries,
             proposal_heads=(self.head(self.class_embed, num_layers), self.head(self.bbox_embed, num_layers))
             if self.two_stage
             else None,
             refine_heads=self.bbox_embed if self.with_box_refine else None,
+            self_attn_mask=hybrid_attention_mask(self.num_queries, queries) if queries > self.num_queries else None,
         )
 
         outputs = []
@@ -143,12 +155,28 @@ class DeformableDETR(nn.Module):
                 delta = mx.concatenate([delta[..., :2] + reference, delta[..., 2:]], -1)
             outputs.append({"pred_logits": logits, "pred_boxes": mx.sigmoid(delta)})
 
-        out = dict(outputs[-1])
-        if self.aux_loss:
-            out["aux_outputs"] = outputs[:-1]
+        out = self._predictions(outputs, slice(0, self.num_queries))
+        if queries > self.num_queries:
+            out["one2many"] = self._predictions(outputs, slice(self.num_queries, queries))
         if self.two_stage:
             out["enc_outputs"] = {"pred_logits": enc_class, "pred_boxes": mx.sigmoid(enc_coord)}
         return out
+
+    def _predictions(self, layers: list[dict], queries: slice) -> dict:
+        """The last layer's predictions of `queries`, with every earlier layer's as aux_outputs."""
+        layers = [{k: v[:, queries] for k, v in layer.items()} for layer in layers]
+        out = dict(layers[-1])
+        if self.aux_loss:
+            out["aux_outputs"] = layers[:-1]
+        return out
+
+
+def hybrid_attention_mask(one2one: int, queries: int) -> mx.array:
+    """(queries, queries), added to the decoder's self-attention scores: 0 where a query may look, -inf
+    between the first `one2one` queries and the hybrid branch's, both ways (H-Deformable-DETR), so that
+    the one-to-one queries compute what they would without the branch."""
+    branch = mx.arange(queries) >= one2one
+    return mx.where(branch[:, None] != branch[None, :], -mx.inf, 0.0).astype(mx.float32)
 
 
 def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:

@@ -34,7 +34,9 @@ class MultiheadAttention(nn.Module):
         self.out_proj = Linear(d_model, d_model)
         self.out_proj.bias = mx.zeros((d_model,))
 
-    def __call__(self, query, key, value):
+    def __call__(self, query, key, value, mask=None):
+        """`mask`: None, or (q_len, k_len) added to the scores: -inf where a query may not look (the
+        hybrid branch's, H-Deformable-DETR)."""
         b, q_len, d = query.shape
         w, bias = self.in_proj_weight, self.in_proj_bias
         q = kernels.linear(query, w[:d], bias[:d])
@@ -46,7 +48,8 @@ class MultiheadAttention(nn.Module):
             return widened(x).reshape(b, -1, self.n_heads, head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = heads(q), heads(k), heads(v)
-        weights = kernels.softmax((q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2))
+        scores = (q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2)
+        weights = kernels.softmax(scores if mask is None else scores + mask)
         out = (weights @ v).transpose(0, 2, 1, 3).reshape(b, q_len, d)
         return self.out_proj(to(out, query.dtype))
 
@@ -132,9 +135,9 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.norm2 = LayerNorm(d_model)
         with_feed_forward(self, d_model, d_ffn, dropout, "norm3")
 
-    def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask):
+    def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask, self_attn_mask=None):
         q = k = tgt + query_pos
-        tgt = self.norm2(tgt + self.dropout(self.self_attn(q, k, tgt)))
+        tgt = self.norm2(tgt + self.dropout(self.self_attn(q, k, tgt, self_attn_mask)))
         attended = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
         tgt = self.norm1(tgt + self.dropout(attended))
         return feed_forward(self, tgt, self.norm3)
@@ -143,11 +146,27 @@ class DeformableTransformerDecoderLayer(nn.Module):
 class DeformableTransformerDecoder(LayerStack):
     LAYER = DeformableTransformerDecoderLayer
 
+    def __init__(self, num_layers: int, look_forward_twice: bool = False, **layer_args):
+        super().__init__(num_layers, **layer_args)
+        self.look_forward_twice = look_forward_twice
+
     def __call__(
-        self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask, bbox_embed=None
+        self,
+        tgt,
+        reference_points,
+        src,
+        spatial_shapes,
+        valid_ratios,
+        query_pos,
+        padding_mask,
+        bbox_embed=None,
+        self_attn_mask=None,
     ):
         """Returns every layer's output (n_layers, B, Q, d) and reference points (n_layers, B, Q, 2|4).
-        With `bbox_embed` (one head per layer) each layer refines the reference boxes it passes on."""
+        With `bbox_embed` (one head per layer) each layer refines the reference boxes it passes on; the
+        next layer samples at them without a gradient, and the boxes each layer returns are those too,
+        or, with `look_forward_twice` (H-Deformable-DETR), the refined boxes with their gradient, so
+        that the next layer's box loss trains this layer's box head as well."""
         outputs, references = [], []
         for lid, layer in enumerate(self.layers):
             ratios = (
@@ -155,7 +174,9 @@ class DeformableTransformerDecoder(LayerStack):
             )
             tgt = checkpointed(
                 [layer],
-                lambda tgt, pos, points, src, layer=layer: layer(tgt, pos, points, src, spatial_shapes, padding_mask),
+                lambda tgt, pos, points, src, layer=layer: layer(
+                    tgt, pos, points, src, spatial_shapes, padding_mask, self_attn_mask
+                ),
                 tgt,
                 query_pos,
                 reference_points[:, :, None] * ratios[:, None],
@@ -168,9 +189,10 @@ class DeformableTransformerDecoder(LayerStack):
                     refined = delta + inverse_sigmoid(reference_points)
                 else:
                     refined = mx.concatenate([delta[..., :2] + inverse_sigmoid(reference_points), delta[..., 2:]], -1)
-                reference_points = mx.stop_gradient(mx.sigmoid(refined))
+                refined = mx.sigmoid(refined)
+                reference_points = mx.stop_gradient(refined)
             outputs.append(tgt)
-            references.append(reference_points)
+            references.append(refined if self.look_forward_twice and bbox_embed is not None else reference_points)
         return mx.stack(outputs), mx.stack(references)
 
 
@@ -178,13 +200,17 @@ class DeformableTransformer(nn.Module):
     def __init__(self, m: ModelConfig):
         """The authors' transformer of the config's model section: `hidden_dim` wide (their d_model), `nheads`
         heads, `enc_layers` and `dec_layers` layers with `dim_feedforward` FFNs, `num_feature_levels` levels
-        sampled at `enc_n_points` / `dec_n_points`; with `two_stage`, `num_queries` proposals."""
+        sampled at `enc_n_points` / `dec_n_points`; with `two_stage`, as many proposals as queries; with
+        `mixed_selection` (two-stage), the decoder's content queries learned, not made from the proposals;
+        `look_forward_twice`, the decoder's (DeformableTransformerDecoder)."""
         super().__init__()
         d_model, levels = m.hidden_dim, m.num_feature_levels
-        self.d_model, self.two_stage, self.two_stage_num_proposals = d_model, m.two_stage, m.num_queries
+        self.d_model, self.two_stage, self.mixed_selection = d_model, m.two_stage, m.two_stage and m.mixed_selection
         common = dict(d_model=d_model, d_ffn=m.dim_feedforward, dropout=m.dropout, n_levels=levels, n_heads=m.nheads)
         self.encoder = DeformableTransformerEncoder(m.enc_layers, n_points=m.enc_n_points, **common)
-        self.decoder = DeformableTransformerDecoder(m.dec_layers, n_points=m.dec_n_points, **common)
+        self.decoder = DeformableTransformerDecoder(
+            m.dec_layers, look_forward_twice=m.look_forward_twice, n_points=m.dec_n_points, **common
+        )
         self.level_embed = mx.random.normal((levels, d_model))
         if m.two_stage:
             self.enc_output = Linear(d_model, d_model)
@@ -244,16 +270,34 @@ class DeformableTransformer(nn.Module):
         memory = mx.where(invalid, 0.0, memory)
         return self.enc_output_norm(self.enc_output(memory)), proposals
 
+    @staticmethod
+    def top_proposals(scores, k: int):
+        """(B, K) indices of the `k` highest of `scores` (B, S), highest first: the two-stage queries' proposals."""
+        return mx.argsort(-scores, axis=1)[:, :k]
+
     def proposal_pos_embed(self, proposals, temperature=10000, scale=2 * math.pi):
         """(B, K, 4) proposals in logit space -> (B, K, 2 * d_model) sine embedding (the authors fix
         d_model / 2 = 128 features per coordinate; as Hugging Face, follow d_model)."""
         embedded = sine_embedding(mx.sigmoid(proposals) * scale, self.d_model // 2, temperature)
         return embedded.reshape(*proposals.shape[:2], -1)
 
-    def __call__(self, srcs, masks, pos_embeds, query_embed=None, proposal_heads=None, refine_heads=None):
-        """srcs, pos_embeds: per level (B, h, w, d); masks: per level (B, h, w). Single stage needs
-        `query_embed` (Q, 2d); two-stage needs `proposal_heads`, the (class, box) heads that score the
-        encoder's proposals; `refine_heads`, one box head per decoder layer, turns on box refinement.
+    def __call__(
+        self,
+        srcs,
+        masks,
+        pos_embeds,
+        query_embed=None,
+        num_queries=None,
+        proposal_heads=None,
+        refine_heads=None,
+        self_attn_mask=None,
+    ):
+        """srcs, pos_embeds: per level (B, h, w, d); masks: per level (B, h, w). A single stage needs
+        `query_embed` (Q, 2d), the queries' positions and contents. Two-stage needs `num_queries` Q and
+        `proposal_heads`, the (class, box) heads that score the encoder's proposals: the top Q become the
+        queries, their contents `query_embed` (Q, d) with mixed selection. `refine_heads`, one box
+        head per decoder layer, turns on box refinement; `self_attn_mask` (Q, Q), added to the
+        decoder's self-attention scores, keeps the hybrid branch's queries apart.
 
         Returns decoder outputs (n_layers, B, Q, d), initial reference points (B, Q, 2|4), every
         layer's reference points, and for two-stage the encoder's class logits and box logits."""
@@ -269,16 +313,23 @@ class DeformableTransformer(nn.Module):
         memory = self.encoder(src_flatten, spatial_shapes, valid_ratios, pos_flatten, mask_flatten)
 
         enc_class = enc_coord = None
+        if self.two_stage and num_queries > memory.shape[1]:
+            raise ValueError(
+                f"two-stage takes its {num_queries} queries from the encoder's proposals, one per feature-map pixel: "
+                f"{memory.shape[1]} at {srcs[0].shape[1] * 8} x {srcs[0].shape[2] * 8} px; the images must be larger"
+            )
         if self.two_stage:
             output_memory, proposals = self.encoder_proposals(memory, mask_flatten, spatial_shapes)
             class_head, box_head = proposal_heads
             enc_class = class_head(output_memory)
             enc_coord = box_head(output_memory) + proposals
-            top = mx.argsort(-enc_class[..., 0], axis=1)[:, : self.two_stage_num_proposals]
+            top = self.top_proposals(enc_class[..., 0], num_queries)
             top_coords = mx.stop_gradient(mx.take_along_axis(enc_coord, top[..., None], axis=1))
             reference_points = mx.sigmoid(top_coords)
             embedded = to(self.proposal_pos_embed(top_coords), memory.dtype)
             query_pos, tgt = mx.split(self.pos_trans_norm(self.pos_trans(embedded)), 2, -1)
+            if self.mixed_selection:  # the proposals give the positions only
+                tgt = mx.broadcast_to(query_embed[None], (b, *query_embed.shape)).astype(tgt.dtype)
         else:
             query_pos, tgt = mx.split(query_embed, 2, -1)
             query_pos = mx.broadcast_to(query_pos[None], (b, *query_pos.shape))
@@ -286,6 +337,14 @@ class DeformableTransformer(nn.Module):
             reference_points = widened(mx.sigmoid(self.reference_points(query_pos)))
 
         hs, references = self.decoder(
-            tgt, reference_points, memory, spatial_shapes, valid_ratios, query_pos, mask_flatten, refine_heads
+            tgt,
+            reference_points,
+            memory,
+            spatial_shapes,
+            valid_ratios,
+            query_pos,
+            mask_flatten,
+            refine_heads,
+            self_attn_mask,
         )
         return hs, reference_points, references, enc_class, enc_coord

@@ -16,6 +16,7 @@ the second probe of the R50 planned for 512 x 683 images (a largest batch of 125
 "The memory check's probes set the step's peak")."""
 
 import gc
+import math
 import os
 from dataclasses import dataclass
 
@@ -119,9 +120,14 @@ def estimate_step_memory(trainer, batch: int, height: int, width: int, num_class
     # out 22% under its measured peak from 1/8 and 1/4, whose probes (91 x 113) are too small for the line
     # (its fixed parts still decide their peaks).
     factors = (2.0 * 2.0**0.5, 2.0) if height * width >= 8 * 256 * 256 else (2.0, 2.0**0.5)
+    # two-stage takes its queries (H-Deformable-DETR's hybrid branch's too) from the encoder's tokens, about 4/3
+    # per 8 x 8 pixels: a probe must have as many
+    model = trainer.model
+    queries = model.num_queries + model.num_queries_one2many if model.two_stage else 0
+    smallest = max(64, math.ceil((queries * 48) ** 0.5))
     probes = []
     for factor in factors:
-        size = (max(64, round(height / factor)), max(64, round(width / factor)))
+        size = (max(smallest, round(height / factor)), max(smallest, round(width / factor)))
         probes.append((size, probe_peak(trainer.loss_and_grad, batch, *size, num_classes)))
     (size_a, peak_a), (size_b, peak_b) = probes
     pixels_a, pixels_b = size_a[0] * size_a[1], size_b[0] * size_b[1]

@@ -34,14 +34,18 @@ def sampling_offsets_grad_norms(grads) -> dict:
     return {path: mx.sqrt(total) for path, total in squares.items()}
 
 
-def check_sampling_offsets(norms: dict):
+def check_sampling_offsets(norms: dict, losses: str = ""):
+    """`norms`: sampling_offsets_grad_norms of the gradient of the loss, or of `losses` (named in the error)."""
+    losses = f" of {losses}" if losses else ""
     bad = {path: norm for path, norm in norms.items() if not math.isfinite(norm) or norm == 0.0}
     if not norms:
-        raise GradientCheckError("no sampling_offsets layer received a gradient: they would never learn where to look")
+        raise GradientCheckError(
+            f"no sampling_offsets layer received a gradient{losses}: they would never learn where to look"
+        )
     if bad:
         listed = ", ".join(f"{path} = {norm}" for path, norm in bad.items())
         raise GradientCheckError(
-            f"sampling_offsets gradient is zero or not finite on the first step: {listed} "
+            f"sampling_offsets gradient{losses} is zero or not finite on the first step: {listed} "
             "(turn this check off with train.check_sampling_offsets=false)"
         )
 
@@ -81,7 +85,9 @@ class Trainer:
 
     On its first step the trainer measures the gradient of every `sampling_offsets` layer
     (`sampling_offsets_grad_norms`) and, with `train.check_sampling_offsets`, stops with
-    GradientCheckError if one is zero or not finite: that layer could never learn where to look."""
+    GradientCheckError if one is zero or not finite: that layer could never learn where to look. With
+    H-Deformable-DETR's hybrid branch it checks the gradient of the branch's losses alone as well (one more
+    forward and backward on the first micro-batch), so that neither branch's queries look in vain."""
 
     def __init__(self, model, criterion, optimizer, cfg: Config, group=None):
         self.model, self.criterion, self.optimizer, self.cfg = model, criterion, optimizer, cfg
@@ -92,6 +98,8 @@ class Trainer:
         self.loss_and_grad = nn.value_and_grad(model, self._loss)
         self.steps = 0  # taken by this trainer
         self.sampling_offsets_grad_norms = None  # of the first step, by layer
+        self.branch_grad_norms = None  # the hybrid branch's losses alone: of the first step, by layer
+        self.branch_loss_and_grad = nn.value_and_grad(model, self._branch_loss)
 
     @classmethod
     def from_config(cls, model, cfg: Config, image_sizes, group=None, log=None):
@@ -124,12 +132,18 @@ class Trainer:
         losses = self.criterion(outputs, targets, num_boxes)
         return self.criterion.total(losses), losses
 
+    def _branch_loss(self, images, mask, targets, num_boxes):
+        """The hybrid branch's weighted losses alone (the `_one2many` terms)."""
+        _, losses = self._loss(images, mask, targets, num_boxes)
+        weights = self.criterion.weight_dict
+        return sum(value * weights[k] for k, value in losses.items() if k.endswith("_one2many") and k in weights)
+
     def num_boxes(self, targets) -> float:
         """Target boxes per process, averaged over processes (the authors' normalisation)."""
         count = mx.array(float(sum(len(t["labels"]) for t in targets)))
         if self.world_size > 1:
             count = mx.distributed.all_sum(count, group=self.group) / self.world_size
-        return max(count.item(), 1.0)
+        return count.item()  # the criterion divides by at least 1 (the hybrid branch by k times this)
 
     def step(self, micro_batches) -> tuple[dict, float]:
         """One optimizer step over this process's share of the batch, given as micro-batches of
@@ -138,6 +152,8 @@ class Trainer:
         whole batch at once. -> (the losses as floats, the gradients' global norm before clipping)."""
         images_in_step = sum(len(targets) for _, _, targets in micro_batches)
         num_boxes = self.num_boxes([target for _, _, targets in micro_batches for target in targets])
+        if self.steps == 0 and self.model.num_queries_one2many:  # before the first update, as the step's gradient
+            self.branch_grad_norms = self.branch_norms(*micro_batches[0], num_boxes)
         grads = total = losses = None
         for images, mask, targets in micro_batches:
             (part_total, parts), part_grads = self.loss_and_grad(mx.array(images), mx.array(mask), targets, num_boxes)
@@ -153,6 +169,13 @@ class Trainer:
             # activations alive (an R50 step of 2 images at 512 x 683 peaked at 3.7 GiB instead of 3.1)
             mx.eval(grads, total, losses)
         return self._update(grads, total, losses)
+
+    def branch_norms(self, images, mask, targets, num_boxes) -> dict:
+        """sampling_offsets_grad_norms of the hybrid branch's losses alone on one micro-batch (nothing updated)."""
+        _, grads = self.branch_loss_and_grad(mx.array(images), mx.array(mask), targets, num_boxes)
+        norms = sampling_offsets_grad_norms(grads)
+        mx.eval(norms)
+        return {k: v.item() for k, v in norms.items()}
 
     def _update(self, grads, total, losses) -> tuple[dict, float]:
         if self.world_size > 1:
@@ -171,6 +194,8 @@ class Trainer:
             self.sampling_offsets_grad_norms = {k: v.item() for k, v in first_norms.items()}
             if self.cfg.train.check_sampling_offsets:
                 check_sampling_offsets(self.sampling_offsets_grad_norms)
+            if self.cfg.train.check_sampling_offsets and self.branch_grad_norms is not None:
+                check_sampling_offsets(self.branch_grad_norms, "the hybrid branch's losses (_one2many)")
         values = {k: v.item() for k, v in losses.items()}
         values["loss"] = total.item()
         if self.world_size > 1:  # report the mean over processes

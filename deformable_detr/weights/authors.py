@@ -1,4 +1,7 @@
 """The authors' layout (their `main.py` checkpoints, torchvision's ResNet) and this port's, both ways.
+H-Deformable-DETR's checkpoints (github.com/HDETR/H-Deformable-DETR, a fork of the authors' code) share it: their
+recipe's options (mixed selection, look forward twice, the hybrid branch's query count) are read from their `args`
+where the keys cannot show them, and written back for their main.py.
 
 `sanitize` maps the authors' state_dict to this port's weights: tied duplicates dropped after being
 checked equal (shared heads without refinement; the decoder's references to the top-level heads),
@@ -32,7 +35,15 @@ AUTHORS_ARGS = (
     "num_feature_levels",
     "with_box_refine",
     "two_stage",
+    "dropout",
 )
+# ModelConfig fields -> H-Deformable-DETR's argparse names, written beside the authors' when a model uses their recipe
+HDETR_ARGS = {
+    "num_queries": "num_queries_one2one",
+    "num_queries_one2many": "num_queries_one2many",
+    "mixed_selection": "mixed_selection",
+    "look_forward_twice": "look_forward_twice",
+}
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict]:
@@ -120,6 +131,8 @@ def detect_variant(state: dict) -> dict:
         key = key if key in state else f"transformer.decoder.{key}"  # a file may keep only the tied copy
         if key in state:
             options[name] = int(state[key].shape[axis])
+    # H-Deformable-DETR's mixed selection: two-stage with learned content queries (the authors' two-stage has none)
+    options["mixed_selection"] = options["two_stage"] and "query_embed.weight" in state
     return options
 
 
@@ -136,14 +149,31 @@ _ARG_NAMES = {  # the authors' args and Hugging Face config.json names -> ModelC
 
 
 def model_options(state: dict, args: dict) -> dict:
-    """ModelConfig fields for a checkpoint: what its keys show, and from its args (the authors'
-    argparse Namespace or a Hugging Face config.json) what keys cannot show (heads, points, DC5)."""
+    """ModelConfig fields for a checkpoint: what its keys show, and from its args (the authors' or
+    H-Deformable-DETR's argparse Namespace, or a Hugging Face config.json) what keys cannot show (heads,
+    points, DC5, dropout; H-Deformable-DETR's look forward twice and how many of its queries are the hybrid
+    branch's: without their args, all are one-to-one)."""
     from_args = {field: args[name] for name, field in _ARG_NAMES.items() if name in args}
-    return {**from_args, **detect_variant(state)}
+    options = {**from_args, **detect_variant(state)}
+    if "dropout" in args:
+        options["dropout"] = float(args["dropout"])
+    if "num_queries_one2one" in args:  # H-Deformable-DETR's args
+        options["look_forward_twice"] = bool(args.get("look_forward_twice", False)) and options["with_box_refine"]
+        options["num_queries_one2many"] = int(args.get("num_queries_one2many", 0))
+        options["num_queries"] = int(args["num_queries_one2one"])
+        rows = detect_variant(state).get("num_queries")
+        if rows is not None and rows != options["num_queries"] + options["num_queries_one2many"]:
+            raise ConversionError(
+                f"query_embed.weight has {rows} rows; its args say {options['num_queries']} one-to-one and "
+                f"{options['num_queries_one2many']} one-to-many queries"
+            )
+    return options
 
 
 def config_for(variant: dict) -> str:
-    """The name of the configs/ file of the authors' configuration a variant matches."""
+    """The name of the configs/ file of the authors' (or H-Deformable-DETR's) configuration a variant matches."""
+    if variant.get("mixed_selection") or variant.get("look_forward_twice") or variant.get("num_queries_one2many"):
+        return "hdetr_r50_12ep.yaml"
     if variant["two_stage"]:
         return "r50_two_stage.yaml"
     if variant["with_box_refine"]:
@@ -248,4 +278,10 @@ def to_authors(weights: dict) -> dict:
 
 
 def authors_args(config: dict | None) -> argparse.Namespace:
-    return argparse.Namespace(**{name: config[name] for name in AUTHORS_ARGS if config and name in config})
+    """The args a main.py checkpoint carries for a model of `config` (ModelConfig as a dict): the authors'
+    names, and H-Deformable-DETR's where the model uses their recipe."""
+    config = config or {}
+    args = {name: config[name] for name in AUTHORS_ARGS if name in config}
+    if any(config.get(key) for key in ("mixed_selection", "look_forward_twice", "num_queries_one2many")):
+        args.update({name: config[field] for field, name in HDETR_ARGS.items() if field in config})
+    return argparse.Namespace(**args)

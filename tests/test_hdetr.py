@@ -1,0 +1,223 @@
+"""The port against H-Deformable-DETR's own code (fixtures/hdetr, written by make_hdetr_reference.py from their
+code on a CPU with the pure-PyTorch attention core): their recipe's model (mixed selection, look forward twice,
+FFN 2048, dropout 0) with and without the hybrid branch, from their state_dict and args as a checkpoint of theirs
+carries them; outputs of every decoder layer and the encoder's proposals, each loss term of both branches, the
+gradients, and their evaluation (the branch dropped). Tolerances are the authors' fixture's (test_fidelity.py)."""
+
+import json
+from functools import cache
+from pathlib import Path
+
+from deformable_detr import build_criterion, build_model, load_config, post_process
+from deformable_detr.config import model_overrides
+from deformable_detr.weights.authors import authors_args, expected_shapes, model_options, sanitize, to_authors
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from reference_weights import recipe_value
+from safetensors.numpy import load_file
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hdetr"
+VARIANTS = ("hybrid", "tricks")
+OUTPUT_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+
+@cache
+def manifest() -> dict:
+    return json.loads((FIXTURE / "manifest.json").read_text())
+
+
+def their_state(variant: str) -> dict:
+    """Their state_dict, rebuilt from the recipe in their key order, tied keys sharing values."""
+    info, seed = manifest()["variants"][variant], manifest()["seed"]
+    tied = dict(info["tied"])
+    state = {}
+    for key, shape, _ in info["state_dict_keys"]:
+        state[key] = state[tied[key]] if key in tied else recipe_value(key, shape, seed)
+    return state
+
+
+def images():
+    """make_hdetr_reference.images: the same recipe."""
+    sizes = manifest()["sizes"]
+    h, w = max(s[0] for s in sizes), max(s[1] for s in sizes)
+    pixels = np.random.Generator(np.random.PCG64(manifest()["seed"])).standard_normal((len(sizes), 3, h, w))
+    pixels = pixels.astype(np.float32)
+    mask = np.ones((len(sizes), h, w), bool)
+    for i, (ih, iw) in enumerate(sizes):
+        mask[i, :ih, :iw] = False
+    pixels[np.broadcast_to(mask[:, None], pixels.shape)] = 0
+    return mx.array(pixels.transpose(0, 2, 3, 1)), mx.array(mask)
+
+
+def config(variant: str):
+    args = manifest()["variants"][variant]["args"]
+    options = model_options(their_state(variant), args)
+    losses = [f"loss.k_one2many={args['k_one2many']}", f"loss.lambda_one2many={args['lambda_one2many']}"]
+    return load_config(None, model_overrides(options) + losses), options
+
+
+NEAR_TIE = 1e-5  # scores this close may rank either way: float32 noise between two implementations
+
+
+def their_ranking(their_top):
+    """The two-stage queries' proposals as theirs chose them, after checking that ours differ only where two
+    scores tie to float noise. With mixed selection a query's content is its slot's, so a near-tie ranked the
+    other way gives two queries other contents and, through the self-attention, moves every query of the branch
+    a little (1e-4): the comparison of everything after the ranking needs the same ranking."""
+
+    def top_proposals(scores, k):
+        ours, theirs, values = np.array(mx.argsort(-scores, axis=1)[:, :k]), their_top[:, :k], np.array(scores)
+        for b in range(len(ours)):
+            moved = ours[b] != theirs[b]
+            gaps = np.abs(values[b][ours[b][moved]] - values[b][theirs[b][moved]])
+            assert gaps.max(initial=0) < NEAR_TIE, f"image {b}: our proposal ranking differs beyond near-ties"
+            assert np.array_equal(np.sort(ours[b][moved]), np.sort(theirs[b][moved]))  # swaps within the top k
+        return mx.array(theirs)
+
+    return top_proposals
+
+
+@cache
+def run(variant):
+    """Training mode (dropout 0 in their recipe): outputs, losses and gradients, the backbone frozen (no
+    reference gradient lies behind it); then evaluation mode's outputs."""
+    cfg, _ = config(variant)
+    model = build_model(cfg)
+    model.load_weights(
+        list((k, mx.array(v)) for k, v in sanitize(their_state(variant), expected_shapes(model)).items())
+    )
+    model.backbone[0].freeze()
+    ref = load_file(FIXTURE / f"{variant}.safetensors")
+    model.transformer.top_proposals = their_ranking(ref["enc.top"])
+    criterion = build_criterion(cfg)
+    targets = [
+        {"labels": np.array(t["labels"]), "boxes": np.array(t["boxes"], np.float32)} for t in manifest()["targets"]
+    ]
+    pixels, mask = images()
+
+    def loss_fn(model):
+        out = model(pixels, mask)
+        losses = criterion(out, targets)
+        return criterion.total(losses), (out, losses)
+
+    (total, (out, losses)), grads = nn.value_and_grad(model, loss_fn)(model)
+    mx.eval(total, out, losses, grads)
+    model.eval()
+    evaluated = model(pixels, mask)
+    mx.eval(evaluated)
+    return model, out, losses, total, dict(tree_flatten(grads)), evaluated, ref
+
+
+def test_their_args_give_the_variant():
+    _, hybrid = config("hybrid")
+    assert hybrid["mixed_selection"] and hybrid["look_forward_twice"] and hybrid["two_stage"]
+    assert (hybrid["num_queries"], hybrid["num_queries_one2many"], hybrid["dim_feedforward"]) == (300, 1500, 2048)
+    assert hybrid["dropout"] == 0.0
+    _, tricks = config("tricks")
+    assert tricks["num_queries_one2many"] == 0 and tricks["mixed_selection"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_outputs_match_theirs(variant):
+    _, out, *_, ref = run(variant)
+    pairs = [("", out)] + [(f"aux{i}.", aux) for i, aux in enumerate(out["aux_outputs"])]
+    pairs.append(("enc.", out["enc_outputs"]))
+    if variant == "hybrid":
+        pairs.append(("one2many.", out["one2many"]))
+        assert out["one2many"]["pred_logits"].shape[1] == 1500
+    assert len(out["aux_outputs"]) == 5 and out["pred_logits"].shape[1] == 300
+    for prefix, outputs in pairs:
+        for key in ("pred_logits", "pred_boxes"):
+            np.testing.assert_allclose(
+                np.array(outputs[key]), ref[prefix + key], **OUTPUT_TOLERANCE, err_msg=prefix + key
+            )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_evaluation_drops_the_branch_as_theirs(variant):
+    *_, evaluated, ref = run(variant)
+    assert "one2many" not in evaluated
+    for key in ("pred_logits", "pred_boxes"):
+        np.testing.assert_allclose(np.array(evaluated[key]), ref["eval." + key], **OUTPUT_TOLERANCE, err_msg=key)
+    for i, detections in enumerate(post_process(evaluated, manifest()["sizes"])):
+        np.testing.assert_allclose(np.array(detections["scores"]), ref[f"post{i}.scores"], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.array(detections["boxes"]), ref[f"post{i}.boxes"], rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_losses_match_theirs(variant):
+    """Every term of both branches (the hybrid branch's with lambda in it, as their train_hybrid), and the
+    weighted total."""
+    _, _, losses, total, *_ = run(variant)
+    info = manifest()["variants"][variant]
+    assert set(losses) == set(info["losses"])
+    for key, want in info["losses"].items():
+        assert losses[key].item() == pytest.approx(want, rel=1e-3, abs=1e-6), key
+    assert total.item() == pytest.approx(info["total_loss"], rel=1e-3)
+    criterion = build_criterion(config(variant)[0])
+    # theirs lists the branch's weights even without it (and for _enc, which it has not): those of the losses made
+    assert criterion.weight_dict == {k: v for k, v in info["weight_dict"].items() if k in info["losses"]}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gradients_match_theirs(variant):
+    """sampling_offsets and attention_weights of encoder and decoder layers 0 and 5, mixed selection's content
+    queries (the hybrid branch's rows trained by its loss alone), the box heads look forward twice reaches, to
+    1e-3 of each tensor's largest entry."""
+    *_, grads, _, ref = run(variant)
+    info = manifest()["variants"][variant]
+    rows = info["sampled_rows"]
+    for name in (k.removeprefix("grad.") for k in ref if k.startswith("grad.")):
+        ours = np.array(grads[name])
+        if name in rows:
+            ours = ours[[row for row in rows[name] if row < len(ours)]]
+        want = ref["grad." + name]
+        np.testing.assert_allclose(ours, want, rtol=1e-3, atol=1e-3 * np.abs(want).max(), err_msg=name)
+    for name, norm in info["grad_norms"].items():
+        assert float(np.linalg.norm(np.array(grads[name]))) == pytest.approx(norm, rel=1e-3), name
+
+
+def test_the_branch_is_kept_apart():
+    """Their mask keeps the branch's queries from the one-to-one queries: the one-to-one losses give the branch's
+    content queries no gradient."""
+    model, *_ = run("hybrid")
+    cfg, _ = config("hybrid")
+    criterion = build_criterion(cfg)
+    targets = [
+        {"labels": np.array(t["labels"]), "boxes": np.array(t["boxes"], np.float32)} for t in manifest()["targets"]
+    ]
+    pixels, mask = images()
+
+    def one2one_loss(model):
+        losses = criterion(model(pixels, mask), targets)
+        return sum(losses[k] * w for k, w in criterion.weight_dict.items() if not k.endswith("_one2many"))
+
+    model.train()
+    try:
+        _, grads = nn.value_and_grad(model, one2one_loss)(model)
+    finally:
+        model.eval()
+    rows = np.array(grads["query_embed"]["weight"])
+    assert np.abs(rows[:300]).max() > 0 and np.abs(rows[300:]).max() == 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_export_gives_their_state_dict(variant):
+    """Exported to their layout, the weights are their state_dict, key for key, and the args their main.py reads."""
+    model, *_ = run(variant)
+    state = to_authors({k: np.array(v) for k, v in tree_flatten(model.parameters())})
+    theirs = their_state(variant)
+    assert set(state) == set(theirs)
+    for key in theirs:
+        np.testing.assert_array_equal(state[key], theirs[key], err_msg=key)
+    _, options = config(variant)
+    args = vars(authors_args(options))
+    their_args = manifest()["variants"][variant]["args"]
+    for name in ("num_queries_one2one", "num_queries_one2many", "mixed_selection", "look_forward_twice"):
+        if name in args:
+            assert args[name] == their_args[name], name
+    assert ("num_queries_one2one" in args) == (variant in VARIANTS)
