@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 CANVAS = (96, 128)
 SIZES = ((72, 100), (90, 60), (50, 50))  # landscape, portrait, square: padding below and to the right of each
-VARIANTS = ["r50", "r50_single_scale", "r50_single_scale_dc5", "r50_box_refine", "r50_two_stage"]
+VARIANTS = ["r50", "r50_single_scale", "r50_single_scale_dc5", "r50_box_refine", "r50_two_stage", "hdetr_r50_12ep"]
 SMALL = [
     *("model.backbone=resnet18", "model.backbone_width=16", "model.hidden_dim=64", "model.nheads=4"),
     *("model.enc_layers=2", "model.dec_layers=2", "model.dim_feedforward=64", "model.num_queries=12"),

@@ -221,3 +221,74 @@ def test_export_gives_their_state_dict(variant):
         if name in args:
             assert args[name] == their_args[name], name
     assert ("num_queries_one2one" in args) == (variant in VARIANTS)
+
+
+def test_convert_reads_their_checkpoint_and_the_model_answers_as_theirs(tmp_path):
+    """Their main.py's checkpoint ({"model": state_dict, "args": Namespace}) -> convert -> the config the weights
+    record (look forward twice from their args, the query split) -> the model loaded for inference gives their
+    evaluation's outputs; and exported back, the checkpoint carries their args again."""
+    import argparse
+
+    torch = pytest.importorskip("torch", reason="writing their .pth needs PyTorch (the convert extra)")
+    from deformable_detr.weights.conversion import convert, export_torch, save_converted
+    from deformable_detr.weights.loading import config_from_weights, load_trained_model
+
+    info = manifest()["variants"]["hybrid"]
+    checkpoint = {"model": {k: torch.from_numpy(v) for k, v in their_state("hybrid").items()}}
+    checkpoint["args"] = argparse.Namespace(**info["args"])
+    torch.save(checkpoint, tmp_path / "hdetr.pth")
+    weights, options, message = convert(tmp_path / "hdetr.pth")
+    assert "configs/hdetr_r50_12ep.yaml" in message
+    assert (options["num_queries"], options["num_queries_one2many"], options["look_forward_twice"]) == (300, 1500, True)
+    save_converted(tmp_path / "hdetr.safetensors", weights, options, tmp_path / "hdetr.pth")
+    cfg = config_from_weights(tmp_path / "hdetr.safetensors")
+    assert cfg.model.mixed_selection and cfg.model.num_queries_one2many == 1500 and cfg.model.dropout == 0.0
+    model, _ = load_trained_model(tmp_path / "hdetr.safetensors", cfg)
+    ref = load_file(FIXTURE / "hybrid.safetensors")
+    model.transformer.top_proposals = their_ranking(ref["enc.top"])
+    out = model(*images())
+    np.testing.assert_allclose(np.array(out["pred_logits"]), ref["eval.pred_logits"], **OUTPUT_TOLERANCE)
+
+    export_torch(weights, vars(cfg.model), tmp_path / "back.pth")
+    back = torch.load(tmp_path / "back.pth", weights_only=False)
+    for name in ("num_queries_one2one", "num_queries_one2many", "mixed_selection", "look_forward_twice", "dropout"):
+        assert getattr(back["args"], name) == info["args"][name], name
+    assert set(back["model"]) == set(checkpoint["model"])
+
+
+def test_their_query_count_must_match_their_args(tmp_path):
+    from deformable_detr.errors import ConversionError
+
+    args = dict(manifest()["variants"]["hybrid"]["args"], num_queries_one2many=900)
+    with pytest.raises(ConversionError, match=r"query_embed.weight has 1800 rows; its args say 300 one-to-one and 900"):
+        model_options(their_state("hybrid"), args)
+
+
+def test_hugging_face_export_is_refused_in_one_line(tmp_path):
+    from deformable_detr.errors import ConversionError
+    from deformable_detr.weights.conversion import export_huggingface
+
+    cfg, _ = config("tricks")
+    model = build_model(cfg)
+    weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    with pytest.raises(ConversionError, match=r"DeformableDetr has no H-Deformable-DETR model .*--to torch"):
+        export_huggingface(weights, {"model": vars(cfg.model), "data": vars(cfg.data)}, {}, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_detector_predicts_and_slices_with_a_hybrid_model(tmp_path):
+    """A checkpoint trained with the recipe runs as any model: predict (its one-to-one queries), sliced inference,
+    the attention points."""
+    from deformable_detr import Detector
+    from export_models import small_checkpoint
+
+    path, model = small_checkpoint(tmp_path, "hdetr_r50_12ep")
+    detector = Detector.load(path)
+    assert detector.model.num_queries_one2many == 1500 and not detector.model.training
+    image = (np.random.default_rng(0).random((120, 160, 3)) * 255).astype(np.uint8)
+    result = detector.predict(image, threshold=0.0)[0]
+    assert 0 < len(result) <= 12 * 5 and result.queries.max() < 12  # the 12 one-to-one queries' 5 classes
+    sliced = detector.predict(image, threshold=0.0, slice=(96, 96), overlap=0.2)[0]
+    assert len(sliced) > 0
+    with_points = detector.predict(image, threshold=0.0, attention=True)[0]
+    assert with_points.attention["points"].shape[0] == len(with_points)

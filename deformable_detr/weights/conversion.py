@@ -117,6 +117,11 @@ def export_huggingface(weights: dict, config: dict, names: dict, out_dir: Path, 
     `DeformableDetrForObjectDetection.from_pretrained(out_dir)` and its pipelines; the ResNet under
     timm's names (`backbone="timm"`, as the Hub's SenseTime models) or transformers' own. -> a summary."""
     model = {**config["model"], "num_classes": int(weights["class_embed.0.bias"].shape[0])}
+    if model.get("mixed_selection") or model.get("num_queries_one2many"):
+        raise ConversionError(
+            f"{source}: transformers' DeformableDetr has no H-Deformable-DETR model (mixed selection, the hybrid "
+            "branch's queries): --to torch writes their layout, which their main.py loads"
+        )
     hf_config = huggingface.config_json(model, names, backbone)
     processor = huggingface.image_processor_config(config["data"])
     hf_state = huggingface.to_huggingface(to_authors(weights), backbone)

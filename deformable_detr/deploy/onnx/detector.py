@@ -63,7 +63,7 @@ def detector(g: Graph, cfg, canvas: tuple, batch: int, sampler: str) -> tuple:
         proposal_heads = cfg.dec_layers if per_layer_heads else 0
         queries = two_stage_queries(g, memory, flat["mask"], flat["extent"], enc_sizes, cfg, proposal_heads)
     else:
-        queries = single_stage_queries(g, batch, cfg.hidden_dim)
+        queries = single_stage_queries(g, batch, cfg.hidden_dim, cfg.num_queries)
     dec_sizes = Sizes(batch, cfg.nheads, cfg.dec_n_points, heads_dim, tuple(flat["levels"]), length, sampler)
     tgt, reference, ref_dims = decoder(g, queries, memory, flat["ratio"], flat["mask"], dec_sizes, cfg)
     return heads(g, tgt, reference, ref_dims, cfg.dec_layers - 1 if per_layer_heads else 0)

@@ -35,7 +35,8 @@ def proposals(g: Graph, memory: str, not_mask: str, extents: list, sizes: Sizes)
 
 def two_stage_queries(g: Graph, memory: str, not_mask: str, extents: list, sizes: Sizes, cfg, heads: int) -> tuple:
     """The top `num_queries` proposals by their first class's logit -> (tgt, query_pos, reference
-    (N, Q, 4), 4). `heads`: the index of the proposal heads (class_embed / bbox_embed)."""
+    (N, Q, 4), 4), tgt learnt with mixed selection. `heads`: the index of the proposal heads (class_embed /
+    bbox_embed)."""
     memory, boxes = proposals(g, memory, not_mask, extents, sizes)
     enc_class = g.linear(memory, f"class_embed.{heads}")
     enc_coord = g.Add(mlp(g, memory, f"bbox_embed.{heads}"), boxes)
@@ -48,4 +49,7 @@ def two_stage_queries(g: Graph, memory: str, not_mask: str, extents: list, sizes
     embedded = g.reshape(sine(g, angles, cfg.hidden_dim // 2), (sizes.batch, cfg.num_queries, 2 * cfg.hidden_dim))
     embedded = g.layer_norm(g.linear(embedded, "transformer.pos_trans"), "transformer.pos_trans_norm")
     query_pos, tgt = g.split(embedded, [cfg.hidden_dim, cfg.hidden_dim], -1)
+    if cfg.mixed_selection:  # H-Deformable-DETR's: the contents learnt, the first `num_queries` (the one-to-one)
+        contents = g.const(g.weight("query_embed.weight")[: cfg.num_queries], "query_contents")
+        tgt = g.Expand(contents, g.ints([sizes.batch, cfg.num_queries, cfg.hidden_dim], "query_shape"))
     return tgt, query_pos, reference, 4

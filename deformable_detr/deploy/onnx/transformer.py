@@ -79,9 +79,10 @@ def decoder(g: Graph, queries: tuple, memory: str, valid_ratios: list, not_mask:
     return tgt, reference, ref_dims
 
 
-def single_stage_queries(g: Graph, batch: int, d_model: int) -> tuple:
-    """The learnt query embeddings and their reference points -> (tgt, query_pos, reference, 2)."""
-    embedding = g.weight("query_embed.weight")  # (Q, 2d): query_pos, tgt
+def single_stage_queries(g: Graph, batch: int, d_model: int, queries: int) -> tuple:
+    """The first `queries` learnt query embeddings (the one-to-one ones: H-Deformable-DETR's hybrid branch has
+    more, for training) and their reference points -> (tgt, query_pos, reference, 2)."""
+    embedding = g.weight("query_embed.weight")[:queries]  # (Q, 2d): query_pos, tgt
     shape = g.ints([batch, embedding.shape[0], d_model], "query_shape")
     query_pos = g.Expand(g.const(embedding[:, :d_model], "query_pos"), shape)
     tgt = g.Expand(g.const(embedding[:, d_model:], "query_tgt"), shape)

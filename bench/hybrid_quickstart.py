@@ -1,0 +1,119 @@
+"""H-Deformable-DETR's recipe against today's quick start, on the quick start's own set: AP after each epoch and
+the training seconds spent to reach it, so both compare in equal epochs and in equal wall time.
+
+    python bench/hybrid_quickstart.py [--epochs 18] [--output bench/results/hybrid_quickstart_cpu.txt]
+
+Two runs of `train.py --config shapes`, differing only in the recipe's keys (the quick start already has
+dropout 0, two-stage and box refinement):
+  quick start: configs/shapes.yaml as it is
+  recipe:      + model.mixed_selection=true model.look_forward_twice=true, and the hybrid branch:
+               model.num_queries_one2many=150 (5 x its 30 queries, as their 1,500 to 300), loss.k_one2many=6,
+               loss.lambda_one2many=1.0
+The FFN stays at the quick start's 256: H-Deformable-DETR's own baseline has their FFN too, so their gain is the
+recipe's, and so is this one. The seconds are the training steps' (log.jsonl's epoch records), not the evaluations'.
+Writes the table and a picture of both val curves (AP against training seconds) beside the output.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_model, load_average  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = [
+    "model.mixed_selection=true",
+    "model.look_forward_twice=true",
+    "model.num_queries_one2many=150",
+    "loss.k_one2many=6",
+    "loss.lambda_one2many=1.0",
+]
+RUNS = {"quick start": [], "recipe": RECIPE}
+
+
+def train(name: str, overrides: list, epochs: int, out_dir: Path) -> list[dict]:
+    """One run from scratch -> per evaluated epoch {epoch, seconds (cumulative training), AP, AP50, AP75}."""
+    run_dir = out_dir / name.replace(" ", "_")
+    command = [sys.executable, "train.py", "--config", "shapes", "--output-dir", str(run_dir), "--overwrite"]
+    command += [f"schedule.epochs={epochs}", *overrides]
+    print(" ".join(command), flush=True)
+    started = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=True)
+    print(f"{name}: {time.perf_counter() - started:.0f} s in all", flush=True)
+    seconds, rows = 0.0, []
+    for line in (run_dir / "log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "epoch_steps" in record:
+            seconds += record["seconds"]
+        elif "eval" in record:
+            stats = record["eval"]
+            rows.append({"epoch": record["epoch"] + 1, "seconds": seconds, **{k: stats[k] for k in ("AP", "AP50", "AP75")}})
+    return rows
+
+
+def at_seconds(rows: list[dict], seconds: float) -> dict:
+    """The last evaluation reached within `seconds` of training."""
+    reached = [row for row in rows if row["seconds"] <= seconds * 1.001]
+    return reached[-1] if reached else {"epoch": 0, "seconds": 0.0, "AP": 0.0, "AP50": 0.0, "AP75": 0.0}
+
+
+def picture(curves: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for name, rows in curves.items():
+        axes.plot([r["seconds"] / 60 for r in rows], [r["AP"] for r in rows], marker="o", markersize=3, label=name)
+    axes.set_xlabel("training time (min, steps only)")
+    axes.set_ylabel("val AP")
+    axes.set_title("the quick start's set: today's recipe and H-Deformable-DETR's")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=18, help="the quick start's 18")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "hybrid_quickstart_cpu.txt")
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "output" / "bench_hybrid")
+    args = parser.parse_args()
+    curves = {name: train(name, overrides, args.epochs, args.runs_dir) for name, overrides in RUNS.items()}
+    base, recipe = curves["quick start"], curves["recipe"]
+    lines = [
+        __doc__.split("\n\n")[0],
+        f"CPU: {cpu_model()}; load average before: {load_average()}; {time.strftime('%Y-%m-%d')}; one run each",
+        "",
+        f"{'epoch':>5} | {'quick start: s':>14} {'AP':>6} {'AP50':>6} {'AP75':>6} | {'recipe: s':>9} {'AP':>6} "
+        f"{'AP50':>6} {'AP75':>6}",
+    ]
+    for a, b in zip(base, recipe, strict=False):
+        lines.append(
+            f"{a['epoch']:>5} | {a['seconds']:>14.0f} {a['AP']:>6.3f} {a['AP50']:>6.3f} {a['AP75']:>6.3f} | "
+            f"{b['seconds']:>9.0f} {b['AP']:>6.3f} {b['AP50']:>6.3f} {b['AP75']:>6.3f}"
+        )
+    same_time = at_seconds(recipe, base[-1]["seconds"])
+    lines += [
+        "",
+        f"equal epochs ({args.epochs}): quick start AP {base[-1]['AP']:.3f} AP50 {base[-1]['AP50']:.3f} AP75 "
+        f"{base[-1]['AP75']:.3f}; recipe AP {recipe[-1]['AP']:.3f} AP50 {recipe[-1]['AP50']:.3f} AP75 "
+        f"{recipe[-1]['AP75']:.3f}",
+        f"equal time (the quick start's {base[-1]['seconds']:.0f} s of steps): recipe at epoch {same_time['epoch']}, "
+        f"AP {same_time['AP']:.3f} AP50 {same_time['AP50']:.3f} AP75 {same_time['AP75']:.3f}",
+        f"a recipe step costs {recipe[-1]['seconds'] / base[-1]['seconds']:.2f}x a quick start step",
+    ]
+    args.output.write_text("\n".join(lines) + "\n")
+    picture(curves, args.output.with_suffix(".png"))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
