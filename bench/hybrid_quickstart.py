@@ -50,7 +50,8 @@ def train(name: str, overrides: list, epochs: int, out_dir: Path) -> list[dict]:
             seconds += record["seconds"]
         elif "eval" in record:
             stats = record["eval"]
-            rows.append({"epoch": record["epoch"] + 1, "seconds": seconds, **{k: stats[k] for k in ("AP", "AP50", "AP75")}})
+            aps = {k: stats[k] for k in ("AP", "AP50", "AP75")}
+            rows.append({"epoch": record["epoch"] + 1, "seconds": seconds, **aps})
     return rows
 
 

@@ -280,6 +280,7 @@ def test_detector_predicts_and_slices_with_a_hybrid_model(tmp_path):
     """A checkpoint trained with the recipe runs as any model: predict (its one-to-one queries), sliced inference,
     the attention points."""
     from deformable_detr import Detector
+
     from export_models import small_checkpoint
 
     path, model = small_checkpoint(tmp_path, "hdetr_r50_12ep")
