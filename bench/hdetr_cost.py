@@ -20,11 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels  # noqa: E402, F401  (before mlx: the BLAS)
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 from deformable_detr import build_model, load_config  # noqa: E402
 from deformable_detr.training.trainer import Trainer  # noqa: E402
 
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 from common import cpu_model, load_average  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
