@@ -61,7 +61,7 @@ def rows(variant: str):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["hybrid", "tricks"])
+    parser.add_argument("--variants", nargs="+", default=["hybrid", "tricks", "swin_hybrid"])
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "hdetr_fidelity_cpu.txt")
     args = parser.parse_args()
     lines = [

@@ -44,7 +44,12 @@ VARIANTS = {
     "hybrid": dict(num_queries_one2many=1500, k_one2many=6, lambda_one2many=1.0),
     "tricks": dict(num_queries_one2many=0),
     "swin_hybrid": dict(
-        backbone="swin_tiny", num_queries_one2many=1500, k_one2many=6, lambda_one2many=1.0, drop_path_rate=0.0
+        backbone="swin_tiny",
+        num_queries_one2many=1500,
+        k_one2many=6,
+        lambda_one2many=1.0,
+        drop_path_rate=0.0,  # stochastic depth off: a reference to compare with, not a random draw
+        pretrained_backbone_path=None,  # their init_weights(None): no ImageNet file (the recipe's weights follow)
     ),
 }
 GRADIENTS = [

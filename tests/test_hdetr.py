@@ -10,6 +10,7 @@ from pathlib import Path
 
 from deformable_detr import build_criterion, build_model, load_config, post_process
 from deformable_detr.config import model_overrides
+from deformable_detr.models.swin import relative_position_index
 from deformable_detr.weights.authors import authors_args, expected_shapes, model_options, sanitize, to_authors
 
 import mlx.core as mx
@@ -21,8 +22,13 @@ from reference_weights import recipe_value
 from safetensors.numpy import load_file
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hdetr"
-VARIANTS = ("hybrid", "tricks")
+VARIANTS = ("hybrid", "tricks", "swin_hybrid")
 OUTPUT_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+# Swin-T: its 12 blocks before the encoder leave float32 noise of 6e-6 in the features (both sides' products sum in
+# other orders), which the random weights' decoder amplifies where a box saturates near 0 or 1 (inverse_sigmoid's
+# steep ends): one logit of 54,600 in aux layer 4 is 1.35e-4 off with oneDNN's products, 0.6-0.9 of the R50's
+# tolerance with MLX's own. Twice the authors' atol; everything else here holds theirs (bench/hdetr_fidelity.py).
+SWIN_OUTPUT_TOLERANCE = dict(rtol=1e-4, atol=2e-4)
 
 
 @cache
@@ -31,12 +37,19 @@ def manifest() -> dict:
 
 
 def their_state(variant: str) -> dict:
-    """Their state_dict, rebuilt from the recipe in their key order, tied keys sharing values."""
+    """Their state_dict, rebuilt from the recipe in their key order, tied keys sharing values; Swin's integer
+    buffers (relative_position_index) as their model builds them, which the recipe leaves alone."""
     info, seed = manifest()["variants"][variant], manifest()["seed"]
     tied = dict(info["tied"])
     state = {}
-    for key, shape, _ in info["state_dict_keys"]:
-        state[key] = state[tied[key]] if key in tied else recipe_value(key, shape, seed)
+    for key, shape, dtype in info["state_dict_keys"]:
+        if key in tied:
+            state[key] = state[tied[key]]
+        elif dtype.startswith("int"):
+            window = round(np.sqrt(shape[0]))
+            state[key] = np.array(relative_position_index(window)).astype(np.int64)
+        else:
+            state[key] = recipe_value(key, shape, seed)
     return state
 
 
@@ -65,9 +78,10 @@ NEAR_TIE = 1e-5  # scores this close may rank either way: float32 noise between 
 
 def their_ranking(their_top):
     """The two-stage queries' proposals as theirs chose them, after checking that ours differ only where two
-    scores tie to float noise. With mixed selection a query's content is its slot's, so a near-tie ranked the
-    other way gives two queries other contents and, through the self-attention, moves every query of the branch
-    a little (1e-4): the comparison of everything after the ranking needs the same ranking."""
+    scores tie to float noise (or exactly: padding's and the border's proposals, whose memory is zeroed, are all
+    alike, and which of them fill the last slots is the sort's choice). With mixed selection a query's content is
+    its slot's, so a near-tie ranked the other way gives two queries other contents and, through the self-attention,
+    moves every query of the branch a little (1e-4): the comparison of everything after the ranking needs the same ranking."""
 
     def top_proposals(scores, k):
         ours, theirs, values = np.array(mx.argsort(-scores, axis=1)[:, :k]), their_top[:, :k], np.array(scores)
@@ -75,7 +89,6 @@ def their_ranking(their_top):
             moved = ours[b] != theirs[b]
             gaps = np.abs(values[b][ours[b][moved]] - values[b][theirs[b][moved]])
             assert gaps.max(initial=0) < NEAR_TIE, f"image {b}: our proposal ranking differs beyond near-ties"
-            assert np.array_equal(np.sort(ours[b][moved]), np.sort(theirs[b][moved]))  # swaps within the top k
         return mx.array(theirs)
 
     return top_proposals
@@ -119,6 +132,8 @@ def test_their_args_give_the_variant():
     assert hybrid["dropout"] == 0.0
     _, tricks = config("tricks")
     assert tricks["num_queries_one2many"] == 0 and tricks["mixed_selection"]
+    _, swin = config("swin_hybrid")
+    assert swin["backbone"] == "swin_tiny" and swin["num_queries_one2many"] == 1500
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -130,11 +145,10 @@ def test_outputs_match_theirs(variant):
         pairs.append(("one2many.", out["one2many"]))
         assert out["one2many"]["pred_logits"].shape[1] == 1500
     assert len(out["aux_outputs"]) == 5 and out["pred_logits"].shape[1] == 300
+    tolerance = SWIN_OUTPUT_TOLERANCE if variant.startswith("swin") else OUTPUT_TOLERANCE
     for prefix, outputs in pairs:
         for key in ("pred_logits", "pred_boxes"):
-            np.testing.assert_allclose(
-                np.array(outputs[key]), ref[prefix + key], **OUTPUT_TOLERANCE, err_msg=prefix + key
-            )
+            np.testing.assert_allclose(np.array(outputs[key]), ref[prefix + key], **tolerance, err_msg=prefix + key)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -8,8 +8,9 @@ SRC is one of
 - Hugging Face `DeformableDetrForObjectDetection` weights (`model.safetensors` or
   `pytorch_model.bin`, or the folder holding one, of any transformers release), or
   `hf://ORG/NAME[@REVISION]` on the Hub;
-- with `--backbone-only`, torchvision ResNet ImageNet weights (`resnet50-*.pth`), written as a
-  backbone-only file that training starts from.
+- with `--backbone-only`, ImageNet weights: torchvision's ResNets (`resnet50-*.pth`), Swin Transformers in
+  Microsoft's release layout (`swin_tiny_patch4_window7_224.pth`, H-Deformable-DETR's) or timm's, written as a
+  backbone-only file that training starts from (`train.py --weights`).
 
 Every key is mapped or refused: an unknown or missing key is an error naming it. Tied keys (the
 authors repeat a shared head under several names) are checked equal and stored once. `.pth` files
@@ -31,10 +32,14 @@ def build_parser():
     parser.add_argument(
         "src",
         help="the authors' .pth, Hugging Face weights (file or folder, or hf://ORG/NAME[@REVISION] on the Hub), "
-        "or torchvision ResNet weights with --backbone-only",
+        "or ImageNet weights (torchvision ResNet, Microsoft or timm Swin) with --backbone-only",
     )
     parser.add_argument("dst", type=Path, help="the .safetensors file to write")
-    parser.add_argument("--backbone-only", action="store_true", help="convert torchvision ResNet ImageNet weights")
+    parser.add_argument(
+        "--backbone-only",
+        action="store_true",
+        help="convert ImageNet weights: torchvision ResNets, Swin (Microsoft's or timm's layout)",
+    )
     parser.add_argument(
         "--dilation",
         action="store_true",

@@ -13,6 +13,7 @@ from .deformable_transformer import DeformableTransformer, inverse_sigmoid
 from .linear import Linear
 from .position_encoding import PositionEmbeddingSine
 from .precision import GroupNorm, float32_heads, to
+from .swin import SwinBackbone, is_swin
 
 
 class MLP(nn.Module):
@@ -58,7 +59,7 @@ class DeformableDETR(nn.Module):
     `m`, the config's model section: num_classes, num_queries, num_feature_levels, aux_loss, with_box_refine,
     two_stage, mixed_selection, num_queries_one2many."""
 
-    def __init__(self, backbone: Backbone, transformer: DeformableTransformer, m: ModelConfig):
+    def __init__(self, backbone: Backbone | SwinBackbone, transformer: DeformableTransformer, m: ModelConfig):
         super().__init__()
         hidden_dim, num_classes, num_queries, two_stage = transformer.d_model, m.num_classes, m.num_queries, m.two_stage
         if m.mixed_selection and not two_stage:
@@ -204,7 +205,12 @@ def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
 
 def build_model(cfg: Config) -> DeformableDETR:
     m = cfg.model
-    backbone = Backbone(m.backbone, m.num_feature_levels > 1, m.dilation, m.backbone_width)
+    if is_swin(m.backbone):  # H-Deformable-DETR's Swin backbones
+        if m.dilation:
+            raise ValueError(f"model.dilation (DC5) is a ResNet's; model.backbone is {m.backbone}")
+        backbone = SwinBackbone(m.backbone, m.num_feature_levels > 1, m.drop_path_rate)
+    else:
+        backbone = Backbone(m.backbone, m.num_feature_levels > 1, m.dilation, m.backbone_width)
     model = DeformableDETR(backbone, DeformableTransformer(m), m)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing is True)  # auto: the memory check sets it
     return model

@@ -18,6 +18,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import ConversionError, install_hint
+from ..models.swin import BUFFERS as SWIN_BUFFERS
+from ..models.swin import SWIN_ARCHITECTURES, relative_position_index
 from .files import open_safetensors
 
 # ModelConfig fields -> the authors' argparse names, for the args they read to build the model.
@@ -43,6 +45,7 @@ HDETR_ARGS = {
     "num_queries_one2many": "num_queries_one2many",
     "mixed_selection": "mixed_selection",
     "look_forward_twice": "look_forward_twice",
+    "drop_path_rate": "drop_path_rate",
 }
 
 
@@ -111,7 +114,7 @@ def detect_variant(state: dict) -> dict:
     bottleneck = "backbone.0.body.layer1.0.conv3.weight" in state
     backbone = {(True, 6): "resnet50", (True, 23): "resnet101", (False, 6): "resnet34", (False, 2): "resnet18"}
     options = {
-        "backbone": backbone.get((bottleneck, count("backbone.0.body.layer3.", 4)), "unknown"),
+        "backbone": swin_backbone(state) or backbone.get((bottleneck, count("backbone.0.body.layer3.", 4)), "unknown"),
         "two_stage": "transformer.enc_output.weight" in state,
         "with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state)
         or "class_embed.1.weight" in state
@@ -136,6 +139,24 @@ def detect_variant(state: dict) -> dict:
     return options
 
 
+def swin_backbone(state: dict) -> str | None:
+    """The SWIN_ARCHITECTURES name of the Swin under backbone.0.body (H-Deformable-DETR's), from its shapes:
+    embed dim, blocks, heads and window; "unknown" for a Swin of no known name; None for no Swin."""
+    body = "backbone.0.body."
+    if body + "patch_embed.proj.weight" not in state:
+        return None
+    tables, embed = [], state[body + "patch_embed.proj.weight"].shape[0]
+    while (table := state.get(f"{body}layers.{len(tables)}.blocks.0.attn.relative_position_bias_table")) is not None:
+        tables.append(table.shape)
+    depths = tuple(
+        len({k.split(".")[6] for k in state if k.startswith(f"{body}layers.{i}.blocks.")}) for i in range(len(tables))
+    )
+    window = (round(np.sqrt(tables[0][0])) + 1) // 2 if tables else 0
+    found = (embed, depths, tuple(shape[1] for shape in tables), window)
+    named = [name for name, arch in SWIN_ARCHITECTURES.items() if tuple(arch[:4]) == found]
+    return named[0] if named else "unknown"
+
+
 _ARG_NAMES = {  # the authors' args and Hugging Face config.json names -> ModelConfig fields
     "dilation": "dilation",
     "nheads": "nheads",
@@ -145,6 +166,7 @@ _ARG_NAMES = {  # the authors' args and Hugging Face config.json names -> ModelC
     "dec_n_points": "dec_n_points",
     "decoder_n_points": "dec_n_points",
     "num_queries": "num_queries",
+    "drop_path_rate": "drop_path_rate",  # H-Deformable-DETR's, for a Swin
 }
 
 
@@ -172,6 +194,9 @@ def model_options(state: dict, args: dict) -> dict:
 
 def config_for(variant: dict) -> str:
     """The name of the configs/ file of the authors' (or H-Deformable-DETR's) configuration a variant matches."""
+    swin = {"swin_large": "hdetr_swin_large_36ep.yaml", "swin_large_window12": "hdetr_swin_large_window12_36ep.yaml"}
+    if variant["backbone"].startswith("swin"):
+        return swin.get(variant["backbone"], "hdetr_swin_tiny_12ep.yaml")
     if variant.get("mixed_selection") or variant.get("look_forward_twice") or variant.get("num_queries_one2many"):
         return "hdetr_r50_12ep.yaml"
     if variant["two_stage"]:
@@ -196,6 +221,8 @@ def sanitize(state: dict, expected: dict | None = None, source: str = "checkpoin
     for key, value in state.items():
         if key.endswith("num_batches_tracked"):
             continue
+        if key.startswith("backbone.0.body.") and key.rsplit(".", 1)[-1] in SWIN_BUFFERS:
+            continue  # a Swin's buffers: computed by the model (models/swin.py)
         twin = _tied_twin(key, variant)
         if twin is not None:
             kept = state.get(twin, out.get(twin))
@@ -274,6 +301,10 @@ def to_authors(weights: dict) -> dict:
         head = re.match(r"(class_embed|bbox_embed)\.", key)
         if head and ((head[1] == "bbox_embed" and box_refine) or (head[1] == "class_embed" and two_stage)):
             out[f"transformer.decoder.{key}"] = out[key]
+        if key.startswith("backbone.0.body.") and key.endswith(".attn.relative_position_bias_table"):
+            window = (round(np.sqrt(out[key].shape[0])) + 1) // 2  # the buffer H-Deformable-DETR's Swin keeps
+            index = np.array(relative_position_index(window)).astype(np.int64)
+            out[key.replace("relative_position_bias_table", "relative_position_index")] = index
     return out
 
 

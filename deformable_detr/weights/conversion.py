@@ -13,6 +13,7 @@ from ..data.coco import COCO_CATEGORY_NAMES
 from ..errors import ConversionError, install_hint
 from ..models import build_model
 from ..models.backbone import Backbone
+from ..models.swin import SWIN_ARCHITECTURES
 from . import huggingface
 from .authors import (
     authors_args,
@@ -30,11 +31,21 @@ from .files import CONFIG_FILE_KEY, MODEL_OPTIONS_KEY, atomic_write, save_weight
 
 def convert(src: Path, backbone_only: bool = False, dilation: bool = False, source=None) -> tuple[dict, dict, str]:
     """Read, map and check a checkpoint (`source`: its name in messages, default `src`): the authors'
-    `.pth` (or a bare state_dict), Hugging Face weights (a file or its folder), or with `backbone_only`
-    torchvision ResNet weights. Returns the weights (for `model.load_weights`), the model options they
-    need (`model_overrides(options)` for `load_config`) and a message naming the variant and the config."""
+    `.pth` (or a bare state_dict; H-Deformable-DETR's too), Hugging Face weights (a file or its folder), or with
+    `backbone_only` ImageNet weights: torchvision's ResNets, Swin Transformers in Microsoft's or timm's layout.
+    Returns the weights (for `model.load_weights`), the model options they need (`model_overrides(options)` for
+    `load_config`) and a message naming the variant and the config."""
     state, ckpt_args = read_checkpoint(src)
     source = str(source or src)
+    if backbone_only and "patch_embed.proj.weight" in {k.removeprefix("module.") for k in state}:
+        from .swin import describe, detect_architecture, swin_imagenet_to_body
+
+        arch = detect_architecture({k.removeprefix("module."): v for k, v in state.items()}, source)
+        name = describe(arch).split(" ")[0]
+        if name not in SWIN_ARCHITECTURES:
+            raise ConversionError(f"{source}: holds {describe(arch)}: no backbone of this project has its shape")
+        body = {f"backbone.0.body.{k}": v for k, v in swin_imagenet_to_body(state, name, source).items()}
+        return body, {"backbone": name}, f"backbone: {name} (ImageNet weights: {describe(arch)})"
     if backbone_only:
         state = torchvision_resnet_to_backbone(state, source)
         name = detect_variant(state)["backbone"]

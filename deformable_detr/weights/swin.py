@@ -1,0 +1,168 @@
+"""ImageNet Swin weights into the Swin backbone's names (HDETR's, models/swin.py), from the two layouts
+they come in:
+
+- Microsoft's release (`swin_tiny_patch4_window7_224.pth`, ..., HDETR's `--pretrained_backbone_path`):
+  `{"model": state}`, patch merging `layers.{i}.downsample.*` at the end of stage i, the classifier
+  `head.*` and final `norm.*`, buffers `relative_position_index` and (classification models) `attn_mask`;
+- timm's (>= 0.9, `model.safetensors` / `pytorch_model.bin` on the Hugging Face hub): the same names
+  but patch merging at the start of the next stage (timm `layers.{i + 1}.downsample.*` is Microsoft's
+  `layers.{i}.downsample.*`) and the classifier `head.fc.*`; no buffers. (timm before 0.9 wrote
+  Microsoft's layout with `head.*`: read as Microsoft's.)
+
+The classifier and final norm are dropped, the buffers too, the patch embedding's convolution goes
+OIHW -> OHWI. `norm1`..`norm3` (the detection outputs' norms) are in neither file: they start at 1 and
+0, as HDETR's init_weights leaves them before its non-strict load. The architecture is read from the
+shapes (embed dim, blocks per stage, heads and window from the bias tables) and must be the one asked
+for: HDETR's loader would resize a bias table of another window bicubically without a word; here it is
+an error that says what the file holds."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConversionError
+from ..models.swin import (
+    BUFFERS,
+    MLP_RATIO,
+    OUT_INDICES,
+    PATCH_SIZE,
+    SWIN_ARCHITECTURES,
+    SwinArchitecture,
+    architecture,
+)
+from .authors import read_checkpoint
+
+CLASSIFIER = re.compile(r"(head|norm)\.")  # the classifier (head.*, head.fc.*) and the final norm
+
+
+def is_buffer(key: str) -> bool:
+    """A checkpoint entry that is a Swin buffer, not a parameter (HDETR's detection checkpoints hold
+    `relative_position_index` under backbone.0.body; classification ones `attn_mask` too): drop it."""
+    return key.rsplit(".", 1)[-1] in BUFFERS
+
+
+def expected_shapes(name) -> dict:
+    """{key: shape} of the Swin body's parameters (MLX layout), in HDETR's order, for an architecture
+    (a SWIN_ARCHITECTURES name or a SwinArchitecture), computed without building the model."""
+    arch = architecture(name)
+    embed = arch.embed_dim
+    shapes = {"patch_embed.proj.weight": (embed, PATCH_SIZE, PATCH_SIZE, 3), "patch_embed.proj.bias": (embed,)}
+    shapes.update({"patch_embed.norm.weight": (embed,), "patch_embed.norm.bias": (embed,)})
+    for i, (depth, heads) in enumerate(zip(arch.depths, arch.num_heads, strict=True)):
+        dim = embed * 2**i
+        for j in range(depth):
+            block = f"layers.{i}.blocks.{j}."
+            shapes.update(
+                {
+                    block + "norm1.weight": (dim,),
+                    block + "norm1.bias": (dim,),
+                    block + "attn.relative_position_bias_table": ((2 * arch.window_size - 1) ** 2, heads),
+                    block + "attn.qkv.weight": (3 * dim, dim),
+                    block + "attn.qkv.bias": (3 * dim,),
+                    block + "attn.proj.weight": (dim, dim),
+                    block + "attn.proj.bias": (dim,),
+                    block + "norm2.weight": (dim,),
+                    block + "norm2.bias": (dim,),
+                    block + "mlp.fc1.weight": (MLP_RATIO * dim, dim),
+                    block + "mlp.fc1.bias": (MLP_RATIO * dim,),
+                    block + "mlp.fc2.weight": (dim, MLP_RATIO * dim),
+                    block + "mlp.fc2.bias": (dim,),
+                }
+            )
+        if i < len(arch.depths) - 1:
+            shapes[f"layers.{i}.downsample.reduction.weight"] = (2 * dim, 4 * dim)
+            shapes[f"layers.{i}.downsample.norm.weight"] = (4 * dim,)
+            shapes[f"layers.{i}.downsample.norm.bias"] = (4 * dim,)
+    for i in OUT_INDICES:
+        shapes[f"norm{i}.weight"] = shapes[f"norm{i}.bias"] = (embed * 2**i,)
+    return shapes
+
+
+def describe(arch: SwinArchitecture) -> str:
+    named = [name for name, known in SWIN_ARCHITECTURES.items() if known[:4] == arch[:4]]
+    shape = (
+        f"embed {arch.embed_dim}, depths {'-'.join(map(str, arch.depths))}, "
+        f"heads {'-'.join(map(str, arch.num_heads))}, window {arch.window_size}"
+    )
+    return f"{named[0]} ({shape})" if named else f"a Swin of no known name ({shape})"
+
+
+def detect_architecture(state: dict, source: str = "checkpoint") -> SwinArchitecture:
+    """The architecture that a state's shapes show (either layout; buffers and classifier ignored)."""
+    if "patch_embed.proj.weight" not in state:
+        raise ConversionError(f"{source}: not a Swin state: no patch_embed.proj.weight")
+    depths, heads, windows = [], [], []
+    while (table := state.get(f"layers.{len(depths)}.blocks.0.attn.relative_position_bias_table")) is not None:
+        blocks = {k.split(".")[3] for k in state if k.startswith(f"layers.{len(depths)}.blocks.")}
+        depths.append(len(blocks))
+        heads.append(int(table.shape[1]))
+        windows.append((round(np.sqrt(table.shape[0])) + 1) // 2)
+    if not depths:
+        raise ConversionError(f"{source}: not a Swin state: no layers.0.blocks.0.attn.relative_position_bias_table")
+    embed = int(state["patch_embed.proj.weight"].shape[0])
+    return SwinArchitecture(embed, tuple(depths), tuple(heads), windows[0])
+
+
+def _timm_layout(state: dict) -> bool:
+    """timm >= 0.9 puts patch merging at the start of stages 1..3: no layers.0.downsample."""
+    return "head.fc.weight" in state or (
+        not any(k.startswith("layers.0.downsample.") for k in state)
+        and any(k.startswith("layers.1.downsample.") for k in state)
+    )
+
+
+def swin_imagenet_to_body(state: dict, name, source: str = "checkpoint") -> dict:
+    """An ImageNet Swin state (numpy arrays; Microsoft's or timm's names) -> the Swin body's weights
+    ({HDETR key: array}, MLX layout, float32) for architecture `name`: every key mapped or refused."""
+    asked = architecture(name)
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    timm = _timm_layout(state)
+    renamed = {}
+    for key, value in state.items():
+        if is_buffer(key) or CLASSIFIER.match(key):
+            continue
+        if timm:  # timm layers.{i + 1}.downsample = Microsoft's (and HDETR's) layers.{i}.downsample
+            key = re.sub(r"^layers\.(\d+)\.downsample\.", lambda m: f"layers.{int(m[1]) - 1}.downsample.", key)
+        renamed[key] = value
+    found = detect_architecture(renamed, source)
+    if found[:4] != asked[:4]:
+        wanted = name if isinstance(name, str) else describe(asked)
+        raise ConversionError(f"{source}: holds {describe(found)}, not the {wanted} asked for")
+    weights = {}
+    for key, value in renamed.items():
+        value = np.asarray(value, np.float32)
+        if value.ndim == 4 and value.shape[1] == 3:  # the patch embedding, OIHW -> OHWI
+            value = value.transpose(0, 2, 3, 1)
+        weights[key] = np.ascontiguousarray(value)
+    expected = expected_shapes(asked)
+    for i in OUT_INDICES:  # not in ImageNet weights: HDETR's initial values
+        weights.setdefault(f"norm{i}.weight", np.ones(expected[f"norm{i}.weight"], np.float32))
+        weights.setdefault(f"norm{i}.bias", np.zeros(expected[f"norm{i}.bias"], np.float32))
+    layout = "timm" if timm else "Microsoft"
+    unexpected = [k for k in weights if k not in expected]
+    missing = [k for k in expected if k not in weights]
+    if unexpected or missing:
+        raise ConversionError(
+            f"{source}: not a {layout}-layout Swin state: {_first('unexpected', unexpected)}"
+            f"{'; ' if unexpected and missing else ''}{_first('missing', missing)}"
+        )
+    for key, shape in expected.items():
+        if weights[key].shape != shape:
+            raise ConversionError(f"{source}: {key} has shape {weights[key].shape}; expected {shape}")
+    return {key: weights[key] for key in expected}
+
+
+def _first(what: str, keys: list, shown: int = 3) -> str:
+    if not keys:
+        return ""
+    more = f" (and {len(keys) - shown} more)" if len(keys) > shown else ""
+    return f"{what} keys {', '.join(keys[:shown])}{more}"
+
+
+def read_swin_imagenet(path, name, prefix: str = "") -> dict:
+    """A Swin ImageNet file (`.pth` / `.bin` read with torch, weights only; `.safetensors`; or a folder
+    holding either) -> {prefix + key: array} for architecture `name`. `prefix`: "body." for a
+    SwinBackbone, "backbone.0.body." for the detector."""
+    state, _ = read_checkpoint(Path(path))
+    return {prefix + k: v for k, v in swin_imagenet_to_body(state, name, str(path)).items()}
