@@ -316,3 +316,41 @@ def test_convert_backbone_only_reads_swin_imagenet_weights_for_training(tmp_path
         np.array(model.backbone[0].body.layers[2].blocks[5].mlp.fc1.weight),
         microsoft["layers.2.blocks.5.mlp.fc1.weight"],
     )
+
+
+def test_onnx_export_of_a_swin_model_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("onnx", reason="the ONNX exporter needs onnx (the export extra)")
+    from deformable_detr import build_model, load_config
+    from deformable_detr.deploy.onnx.export import export_onnx
+    from deformable_detr.errors import UsageError
+
+    cfg = load_config("hdetr_swin_tiny_12ep", ["model.num_classes=5"])
+    model = build_model(cfg)
+    model.eval()
+    with pytest.raises(UsageError, match=r"model.backbone swin_tiny: the ONNX graph has a ResNet backbone only"):
+        export_onnx(model, cfg, tmp_path / "model.onnx", size=(256, 256))
+    assert not (tmp_path / "model.onnx").exists()
+
+
+def test_mlx_export_of_a_swin_model_gives_its_outputs(tmp_path):
+    """--to mlx writes a Swin-T H-Deformable-DETR model (plain MLX ops in export mode: the GELU's too) whose file
+    answers as the model does."""
+    from deformable_detr import build_model, load_config
+    from deformable_detr.deploy.mlxfn import export_mlx, run_file
+
+    small = ["model.hidden_dim=64", "model.nheads=4", "model.enc_layers=1", "model.dec_layers=2"]
+    small += ["model.dim_feedforward=64", "model.num_queries=12", "model.num_classes=5", "model.dec_n_points=2"]
+    cfg = load_config("hdetr_swin_tiny_12ep", small)
+    mx.random.seed(0)
+    model = build_model(cfg)
+    model.eval()
+    summary = export_mlx(model, cfg, tmp_path / "model.mlxfn", size=(128, 160))
+    assert summary.startswith(f"wrote {tmp_path / 'model.mlxfn'}")
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((1, 128, 160, 3)).astype(np.float32)
+    mask = np.zeros((1, 128, 160), bool)
+    inputs = {"pixel_values": images.transpose(0, 3, 1, 2).copy(), "pixel_mask": np.ones((1, 128, 160), np.int64)}
+    logits, boxes = run_file(tmp_path / "model.mlxfn", inputs)[:2]
+    ours = model(mx.array(images), mx.array(mask))
+    np.testing.assert_allclose(np.array(logits), np.array(ours["pred_logits"]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(boxes), np.array(ours["pred_boxes"]), rtol=1e-4, atol=1e-5)

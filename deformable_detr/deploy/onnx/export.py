@@ -31,6 +31,10 @@ def check_options(cfg, weights: dict, canvas: tuple, batch: int, sampler: str):
         raise UsageError(f"model.hidden_dim {cfg.hidden_dim}: the input projections' group norm needs a multiple of 32")
     if "class_embed.0.bias" not in weights:
         raise ValueError("the weights have no class_embed.0.bias")
+    if cfg.backbone.startswith("swin"):
+        raise UsageError(
+            f"model.backbone {cfg.backbone}: the ONNX graph has a ResNet backbone only; --to mlx exports a Swin model"
+        )
 
 
 def compare(path: Path, model, canvas: tuple, postprocess: bool) -> tuple:
