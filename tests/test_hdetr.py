@@ -81,7 +81,7 @@ def their_ranking(their_top):
     scores tie to float noise (or exactly: padding's and the border's proposals, whose memory is zeroed, are all
     alike, and which of them fill the last slots is the sort's choice). With mixed selection a query's content is
     its slot's, so a near-tie ranked the other way gives two queries other contents and, through the self-attention,
-    moves every query of the branch a little (1e-4): the comparison of everything after the ranking needs the same ranking."""
+    moves every query of the branch a little (1e-4): what follows the ranking compares only after the same ranking."""
 
     def top_proposals(scores, k):
         ours, theirs, values = np.array(mx.argsort(-scores, axis=1)[:, :k]), their_top[:, :k], np.array(scores)
@@ -307,3 +307,24 @@ def test_detector_predicts_and_slices_with_a_hybrid_model(tmp_path):
     assert len(sliced) > 0
     with_points = detector.predict(image, threshold=0.0, attention=True)[0]
     assert with_points.attention["points"].shape[0] == len(with_points)
+
+
+def test_memory_plan_probes_hold_the_hybrid_branchs_queries():
+    """The memory plan measures small steps of the real model: two-stage with the branch takes 300 + 1,500 queries
+    from the encoder's tokens, so its probes must be large enough to have as many (the estimate then counts the
+    1,800 decoder queries, being measured with them). A two-stage step on too small an image says so in one line."""
+    from deformable_detr.training.memory_plan import estimate_step_memory
+    from deformable_detr.training.optimizer import build_optimizer
+    from deformable_detr.training.trainer import Trainer
+
+    small = ["model.backbone=resnet18", "model.backbone_width=16", "model.hidden_dim=64", "model.nheads=4"]
+    small += ["model.enc_layers=1", "model.dec_layers=2", "model.dim_feedforward=64", "model.num_classes=5"]
+    small += ["schedule.batch_size=1", "schedule.micro_batch_size=1", "train.activation_checkpointing=false"]
+    cfg = load_config("hdetr_r50_12ep", small)
+    model = build_model(cfg)
+    trainer = Trainer(model, build_criterion(cfg), build_optimizer(cfg), cfg)
+    estimate = estimate_step_memory(trainer, 1, 320, 400, 5)
+    assert all(h * w >= 1800 * 48 for (h, w), _ in estimate.probes)
+    assert estimate.peak_bytes > max(peak for _, peak in estimate.probes)
+    with pytest.raises(ValueError, match=r"two-stage takes its 1800 queries from the encoder's proposals.*larger"):
+        model(mx.zeros((1, 160, 160, 3)), mx.zeros((1, 160, 160), dtype=mx.bool_))
