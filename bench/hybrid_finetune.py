@@ -1,0 +1,64 @@
+"""The fine-tune example (bench/results/finetune_shapes.txt) with H-Deformable-DETR's recipe against without: each
+fine-tunes its own quick-start model (bench/hybrid_quickstart.py's two runs) on the second shapes set, in equal
+epochs, AP after each and the training seconds spent.
+
+    python bench/hybrid_finetune.py [--runs-dir output/bench_hybrid] [--output bench/results/hybrid_finetune_cpu.txt]
+
+Target: python -m deformable_detr.data.shapes data/shapes_new --classes circle square hexagon star --seed 7
+--train 200 --val 100 (made if missing), as the fine-tune example. Each run: configs/shapes.yaml data.dataset=coco
+data.path=data/shapes_new model.num_classes=auto schedule.epochs=6 schedule.lr_drop=5 --finetune <its quick-start
+checkpoint>; the recipe's run with the recipe's keys (hybrid_quickstart.RECIPE).
+"""
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_model, load_average  # noqa: E402
+from hybrid_quickstart import RECIPE, ROOT, train  # noqa: E402
+
+TARGET = ROOT / "data" / "shapes_new"
+FINETUNE = [
+    "data.dataset=coco",
+    f"data.path={TARGET}",
+    "model.num_classes=auto",
+    "schedule.lr_drop=5",
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "output" / "bench_hybrid")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "hybrid_finetune_cpu.txt")
+    args = parser.parse_args()
+    if not (TARGET / "annotations").is_dir():
+        make = [sys.executable, "-m", "deformable_detr.data.shapes", str(TARGET), "--classes", "circle", "square"]
+        make += ["hexagon", "star", "--seed", "7", "--train", "200", "--val", "100"]
+        subprocess.run(make, cwd=ROOT, check=True)
+    runs = {
+        "quick start": FINETUNE + [f"--finetune={args.runs_dir / 'quick_start' / 'checkpoint.safetensors'}"],
+        "recipe": FINETUNE + RECIPE + [f"--finetune={args.runs_dir / 'recipe' / 'checkpoint.safetensors'}"],
+    }
+    curves = {name: train(f"finetune {name}", overrides, 6, args.runs_dir) for name, overrides in runs.items()}
+    base, recipe = curves["quick start"], curves["recipe"]
+    lines = [
+        __doc__.split("\n\n")[0],
+        f"CPU: {cpu_model()}; load average before: {load_average()}; {time.strftime('%Y-%m-%d')}; one run each",
+        "",
+        f"{'epoch':>5} | {'quick start: s':>14} {'AP':>6} {'AP50':>6} {'AP75':>6} | {'recipe: s':>9} {'AP':>6} "
+        f"{'AP50':>6} {'AP75':>6}",
+    ]
+    for a, b in zip(base, recipe, strict=False):
+        lines.append(
+            f"{a['epoch']:>5} | {a['seconds']:>14.0f} {a['AP']:>6.3f} {a['AP50']:>6.3f} {a['AP75']:>6.3f} | "
+            f"{b['seconds']:>9.0f} {b['AP']:>6.3f} {b['AP50']:>6.3f} {b['AP75']:>6.3f}"
+        )
+    args.output.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
