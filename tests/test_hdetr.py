@@ -4,6 +4,7 @@ FFN 2048, dropout 0) with and without the hybrid branch, from their state_dict a
 carries them; outputs of every decoder layer and the encoder's proposals, each loss term of both branches, the
 gradients, and their evaluation (the branch dropped). Tolerances are the authors' fixture's (test_fidelity.py)."""
 
+import gc
 import json
 from functools import cache
 from pathlib import Path
@@ -71,6 +72,15 @@ def config(variant: str):
     options = model_options(their_state(variant), args)
     losses = [f"loss.k_one2many={args['k_one2many']}", f"loss.lambda_one2many={args['lambda_one2many']}"]
     return load_config(None, model_overrides(options) + losses), options
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_the_runs():
+    """The runs' models, outputs and gradients (1,800 queries, three variants) are kept for this module's tests
+    only: held on, they would sit under every later test's memory measurements (test_memory's probes)."""
+    yield
+    run.cache_clear()
+    gc.collect()
 
 
 NEAR_TIE = 1e-5  # scores this close may rank either way: float32 noise between two implementations
