@@ -165,11 +165,19 @@ def test_outputs_match_theirs(variant):
 def test_evaluation_drops_the_branch_as_theirs(variant):
     *_, evaluated, ref = run(variant)
     assert "one2many" not in evaluated
+    tolerance = SWIN_OUTPUT_TOLERANCE if variant.startswith("swin") else OUTPUT_TOLERANCE
     for key in ("pred_logits", "pred_boxes"):
-        np.testing.assert_allclose(np.array(evaluated[key]), ref["eval." + key], **OUTPUT_TOLERANCE, err_msg=key)
+        np.testing.assert_allclose(np.array(evaluated[key]), ref["eval." + key], **tolerance, err_msg=key)
     for i, detections in enumerate(post_process(evaluated, manifest()["sizes"])):
-        np.testing.assert_allclose(np.array(detections["scores"]), ref[f"post{i}.scores"], rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(np.array(detections["boxes"]), ref[f"post{i}.boxes"], rtol=1e-4, atol=1e-2)
+        scores, labels, boxes = (np.array(detections[k]) for k in ("scores", "labels", "boxes"))
+        want_scores, want_labels, want_boxes = (ref[f"post{i}.{k}"] for k in ("scores", "labels", "boxes"))
+        np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-6)
+        for rank in range(len(scores)):  # detections whose scores tie to float noise may come in either order
+            candidates = np.where(np.abs(want_scores - scores[rank]) <= 1e-5)[0]
+            assert any(
+                want_labels[c] == labels[rank] and np.allclose(want_boxes[c], boxes[rank], rtol=1e-4, atol=1e-2)
+                for c in candidates
+            ), f"image {i}, detection {rank}: no reference detection with its score, label and box"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
