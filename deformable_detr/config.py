@@ -143,7 +143,7 @@ class TrainConfig:
     # stop after this many evaluations without a higher val AP (0: never)
     early_stop_patience: int = field(default=0, metadata={"range": (0, 1 << 31)})
     # TensorBoard event files under <run>/tensorboard/: the step records' scalars, each evaluation's
-    # AP and pictures (needs the tensorboard package: the tensorboard extra)
+    # AP and pictures (needs tensorboard, in the tensorboard extra)
     tensorboard: bool = False
     # MLflow (the mlflow extra): false | true (a store in <run>/mlflow, or $MLFLOW_TRACKING_URI) | a
     # tracking URI: the config, the step scalars, each evaluation's AP, the checkpoint and pictures

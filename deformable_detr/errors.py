@@ -23,6 +23,7 @@ The errors:
 
 import argparse
 import functools
+import importlib
 import os
 import re
 import sys
@@ -100,6 +101,21 @@ def one_line(error: Exception) -> tuple[str, int]:
     else:
         message, status = f"{type(error).__name__}: {error} (set {TRACEBACK_VARIABLE}=1 for the traceback)", 1
     return " ".join(message.splitlines()), status
+
+
+class MissingExtra(CommandError):
+    """An optional package is not installed: `optional`'s one line."""
+
+
+def optional(module: str, extra: str, needed_for: str):
+    """`module` imported (a dotted name too), or MissingExtra: `{needed_for} needs {package}, in the "{extra}" extra:
+    {pip line}`. The one way every optional dependency is asked for (tests/test_install_hints.py walks them): a
+    caller that can do without it catches MissingExtra and says its line."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        package = (error.name or module).split(".")[0]
+        raise MissingExtra(f'{needed_for} needs {package}, in the "{extra}" extra: {install_hint(extra)}') from None
 
 
 def install_hint(extra: str, package_dir: Path | None = None) -> str:

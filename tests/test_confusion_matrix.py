@@ -119,5 +119,6 @@ def test_without_supervision_one_line_names_the_extra(monkeypatch, capsys):
     finally:
         confusion.supervision.cache_clear()
     assert capsys.readouterr().err == (
-        'confusion matrix left out: it needs supervision: pip install -e ".[confusion-matrix]"\n'
+        'confusion matrix left out: the confusion matrix needs supervision, in the "confusion-matrix" extra: '
+        'pip install -e ".[confusion-matrix]"\n'
     )

@@ -255,4 +255,7 @@ def test_eval_without_supervision_is_the_rest_of_the_evaluation(trained, tmp_pat
     assert not (tmp_path / "confusion_matrix.png").exists() and (tmp_path / "pr_curves.png").is_file()
     err = capsys.readouterr().err
     assert err.count("confusion matrix left out") == 1
-    assert 'confusion matrix left out: it needs supervision: pip install -e ".[confusion-matrix]"\n' in err
+    assert (
+        'confusion matrix left out: the confusion matrix needs supervision, in the "confusion-matrix" extra: '
+        'pip install -e ".[confusion-matrix]"\n'
+    ) in err

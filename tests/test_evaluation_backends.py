@@ -6,11 +6,12 @@ takes it where installed."""
 import contextlib
 import copy
 import io
+import sys
 
 from deformable_detr import load_config
 from deformable_detr.data.in_memory import coco_from_dict
 from deformable_detr.data.shapes import generate
-from deformable_detr.errors import UsageError
+from deformable_detr.errors import MissingExtra, UsageError
 from deformable_detr.inference import evaluation_backends
 from deformable_detr.inference.evaluation import PER_CLASS_NAMES, STAT_NAMES, coco_evaluator, summary
 from deformable_detr.inference.evaluation_backends import resolve_backend
@@ -123,7 +124,10 @@ def test_auto_takes_faster_coco_eval_where_installed(monkeypatch):
     assert resolve_backend("pycocotools") == "pycocotools"
     monkeypatch.setattr(evaluation_backends.importlib.util, "find_spec", lambda name: None)
     assert resolve_backend("auto") == "pycocotools"
-    with pytest.raises(UsageError, match="evaluation.backend faster_coco_eval: not installed"):
+    monkeypatch.setitem(sys.modules, "faster_coco_eval", None)  # as if not installed
+    with pytest.raises(
+        MissingExtra, match=r'evaluation.backend faster_coco_eval needs faster_coco_eval, in the "fast-eval"'
+    ):
         resolve_backend("faster_coco_eval")
 
 

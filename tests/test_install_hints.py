@@ -54,7 +54,8 @@ def test_tensorboard_missing_outside_a_checkout_names_the_distributions_extra(tm
     with pytest.raises(CommandError) as stopped:
         require_tensorboard()
     assert str(stopped.value) == (
-        'train.tensorboard: true needs the tensorboard package: pip install "deformable-detr-mlx[tensorboard]"'
+        'train.tensorboard: true needs tensorboard, in the "tensorboard" extra: '
+        'pip install "deformable-detr-mlx[tensorboard]"'
     )
 
 
@@ -70,3 +71,72 @@ def test_heic_without_the_extra_outside_a_checkout_names_the_distributions_extra
 
 def _unidentified(path, *args, **kwargs):
     raise UnidentifiedImageError(f"cannot identify image file {str(path)!r}")
+
+
+def _guards():
+    """(what, the module hidden, a call that asks for it) for every place that imports an optional package."""
+    from deformable_detr.commands import predict_video, serve
+    from deformable_detr.data import shapes_video
+    from deformable_detr.deploy.onnx import export
+    from deformable_detr.inference import confusion, evaluation_backends, slicing, tracking
+    from deformable_detr.training import mlflow_run, tensorboard, wandb_run
+    from deformable_detr.weights import authors, conversion
+
+    def confusion_matrix():  # it does without: says the line, answers None
+        confusion.supervision.cache_clear()
+        try:
+            answer = confusion.supervision()
+        finally:
+            confusion.supervision.cache_clear()  # not the None of the hidden package, for the tests after
+        if answer is None:
+            raise errors.MissingExtra(sys.stderr.getvalue().strip().removeprefix("confusion matrix left out: "))
+
+    return [
+        ("tracking", "trackers", tracking._trackers),
+        ("slicing", "supervision", slicing.supervision),
+        ("the confusion matrix", "supervision", confusion_matrix),
+        ("reading a video", "av", predict_video._av),
+        ("writing a video", "av", lambda: shapes_video.write_video("x.mp4", None)),
+        ("train.mlflow", "mlflow", lambda: mlflow_run.require_mlflow(True)),
+        ("train.mlflow", "sqlalchemy", lambda: mlflow_run.require_mlflow(True)),
+        ("train.wandb", "wandb", wandb_run.require_wandb),
+        ("train.tensorboard: true", "tensorboard", tensorboard.require_tensorboard),
+        ("exporting to ONNX", "onnx", lambda: export.require("onnx")),
+        ("serve", "uvicorn", serve.server_modules),
+        ("serve", "starlette", serve.server_modules),
+        ("serve", "multipart", serve.server_modules),
+        (
+            "evaluation.backend faster_coco_eval",
+            "faster_coco_eval",
+            lambda: evaluation_backends.resolve_backend("faster_coco_eval"),
+        ),
+        ("reading .pth / .bin files", "torch", lambda: authors._read_torch(Path("model.pth"))),
+        ("exporting to PyTorch", "torch", lambda: conversion.export_torch({}, {}, Path("model.pth"))),
+    ]
+
+
+def _extras() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+@pytest.mark.parametrize("what, module, call", _guards(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_optional_package_is_asked_for_one_way(what, module, call, monkeypatch, capsys):
+    """Each guard, its package hidden: one line, `{what} needs {package}, in the "{extra}" extra: {pip line}`, naming
+    an extra of pyproject.toml that lists the package."""
+    import io
+    import re
+
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(errors.MissingExtra) as raised:
+        call()
+    message = str(raised.value)
+    found = re.fullmatch(r'(.+) needs (\S+), in the "([a-z-]+)" extra: pip install -e "\.\[([a-z-]+)\]"', message)
+    assert found, message
+    assert found[1].endswith(what) and found[2] == module.split(".")[0] and found[3] == found[4]
+    requirements = [re.split(r"[<>=;\[ ]", r)[0].lower().replace("-", "_") for r in _extras()[found[3]]]
+    distribution = {"multipart": "python_multipart", "av": "av", "mlflow": "mlflow_skinny"}.get(module, module)
+    assert distribution in requirements, f"the {found[3]} extra does not list {module}: {requirements}"

@@ -175,7 +175,7 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match=r"^image 1: 100 x 50 does not fit the 96 x 128 canvas"):
         pad_to_canvas([np.zeros((10, 10, 3)), np.zeros((100, 50, 3))], CANVAS)
     monkeypatch.setitem(sys.modules, "onnx", None)  # as if the extra were not installed
-    with pytest.raises(SystemExit, match=r'needs the onnx package: pip install -e "\.\[onnx\]"$'):
+    with pytest.raises(SystemExit, match=r'needs onnx, in the "onnx" extra: pip install -e "\.\[onnx\]"$'):
         main(["--to", "onnx", "--checkpoint", str(path), out])
 
 

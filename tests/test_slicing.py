@@ -246,7 +246,7 @@ def test_bad_command_line_values_are_one_line_usage_errors(tiny, canvas, tmp_pat
 
 def test_without_supervision_one_line_names_the_extra(tiny, detector, canvas, tmp_path, monkeypatch, capsys):  # noqa: F811
     monkeypatch.setitem(sys.modules, "supervision", None)  # as if not installed
-    hint = f'slicing needs supervision, the "slice" extra: {install_hint("slice")} (or pip install supervision)'
+    hint = f'slicing needs supervision, in the "slice" extra: {install_hint("slice")}'
     with pytest.raises(CommandError) as stopped:
         detector.predict(canvas[0], slice=(64, 64))
     assert str(stopped.value) == hint

@@ -125,6 +125,6 @@ def test_without_the_package_one_line_before_anything_is_written(shapes, tmp_pat
     with pytest.raises(SystemExit) as stopped:
         train.main([*argv, "train.tensorboard=true"])
     assert str(stopped.value) == (
-        'error: train.tensorboard: true needs the tensorboard package: pip install -e ".[tensorboard]"'
+        'error: train.tensorboard: true needs tensorboard, in the "tensorboard" extra: pip install -e ".[tensorboard]"'
     )
     assert not (tmp_path / "run").exists()

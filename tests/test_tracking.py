@@ -125,7 +125,7 @@ def test_track_needs_the_extra_and_a_video(tiny, tmp_path, monkeypatch, capsys):
         capsys.readouterr().err
     )
     monkeypatch.setitem(__import__("sys").modules, "trackers", None)  # as if trackers were not installed
-    hint = r'tracking needs Roboflow\'s trackers, the "track" extra: pip install -e "\.\[track\]"'
+    hint = r'tracking needs trackers, in the "track" extra: pip install -e "\.\[track\]"'
     with pytest.raises(SystemExit, match=hint):
         predict_main([*argv, "--output-dir", str(tmp_path / "out"), "--track", str(tmp / "clip.mp4")])
     assert not (tmp_path / "out").exists()  # before any work

@@ -10,18 +10,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..errors import CommandError, UsageError, install_hint
+from ..errors import UsageError, optional
 from ..inference.tracking import TRACKERS, TrackDrawing, check_tracker
 
 
 def _av():
-    try:
-        import av
-    except ImportError:
-        raise CommandError(
-            f'videos need PyAV, the "video" extra: {install_hint("video")} (or pip install av)'
-        ) from None
-    return av
+    return optional("av", "video", "reading a video")  # PyAV
 
 
 def bare_track(argv: list[str] | None) -> list[str]:

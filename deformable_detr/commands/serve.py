@@ -21,7 +21,7 @@ import ipaddress
 import signal
 import sys
 
-from ..errors import CommandError, UsageError, entry_point, install_hint
+from ..errors import CommandError, UsageError, entry_point, optional
 from .cli import add_model_arguments, command_parser, load_detector, split_overrides
 
 
@@ -76,13 +76,12 @@ def parse_args(argv=None):
 
 def server_modules():
     """(uvicorn, create_app, with_header_deadline), or a CommandError naming the extra that installs them."""
-    try:
-        import uvicorn
+    uvicorn = optional("uvicorn", "serve", "serve")
+    optional("starlette", "serve", "serve")
+    optional("multipart", "serve", "serve")  # python-multipart: the page's uploads
+    from ..serving.app import create_app
+    from ..serving.connections import with_header_deadline
 
-        from ..serving.app import create_app
-        from ..serving.connections import with_header_deadline
-    except ImportError as missing:
-        raise CommandError(f"serve needs {missing.name}, in the serve extra: {install_hint('serve')}") from None
     return uvicorn, create_app, with_header_deadline
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..errors import ArgumentParser, CommandError, entry_point, install_hint
+from ..errors import ArgumentParser, entry_point, optional
 from .shapes import CATEGORIES, SHAPES, _background, _draw_shape
 
 
@@ -150,10 +150,7 @@ def _shape_area(kind: str, side: int) -> int:
 def write_video(path, video: ShapesVideo) -> Path:
     """`video` as `path` (H.264 at `video.fps`, nearly lossless: crf 12) beside its ground truth,
     <stem>.gt.json and <stem>.gt.txt (the module's docstring). Needs PyAV (the `video` extra)."""
-    try:
-        import av
-    except ImportError:
-        raise CommandError(f'writing a video needs PyAV, the "video" extra: {install_hint("video")}') from None
+    av = optional("av", "video", "writing a video")  # PyAV
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     width, height = video.size

@@ -28,7 +28,7 @@ from collections import defaultdict
 import numpy as np
 from PIL import Image
 
-from ..errors import install_hint
+from ..errors import MissingExtra, optional
 
 IOU = 0.5  # a detection and a box match above this IoU
 THRESHOLD = 0.3  # the score a detection needs to be counted: the pictures' (predictions.png), supervision's default
@@ -37,11 +37,11 @@ EXTRA = "confusion-matrix"
 
 @functools.cache
 def supervision():
-    """The supervision package, or None: then one line (once a process) naming the extra."""
+    """The supervision package, or None: then `optional`'s line (once a process), the matrix left out."""
     try:
-        import supervision
-    except ImportError:
-        print(f"confusion matrix left out: it needs supervision: {install_hint(EXTRA)}", file=sys.stderr)
+        return optional("supervision", EXTRA, "the confusion matrix")
+    except MissingExtra as missing:
+        print(f"confusion matrix left out: {missing}", file=sys.stderr)
         return None
     return supervision
 

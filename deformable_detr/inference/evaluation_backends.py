@@ -5,7 +5,7 @@ faster-coco-eval (the same algorithm with its per-image matching and accumulatio
 
 import importlib.util
 
-from ..errors import UsageError, install_hint
+from ..errors import UsageError, optional
 
 BACKENDS = ("pycocotools", "faster_coco_eval")
 
@@ -18,9 +18,7 @@ def resolve_backend(name: str = "auto") -> str:
     if name not in BACKENDS:
         raise UsageError(f"evaluation.backend must be one of auto, {', '.join(BACKENDS)}, got {name!r}")
     if name == "faster_coco_eval" and not installed:
-        raise UsageError(
-            f"evaluation.backend faster_coco_eval: not installed ({install_hint('fast-eval')}, or use auto)"
-        )
+        optional("faster_coco_eval", "fast-eval", "evaluation.backend faster_coco_eval")  # (auto: pycocotools)
     return name
 
 

@@ -34,7 +34,7 @@ entry is the decoder query of the slice's forward that found it."""
 import numpy as np
 from PIL import Image
 
-from ..errors import CommandError, UsageError, install_hint
+from ..errors import UsageError, optional
 
 OVERLAP = 0.2  # of the slice's width and height
 # supervision's overlap filter, its metric, the IoU above which a lower-scoring box goes, class-agnostic or not
@@ -43,13 +43,7 @@ MERGE = {"filter": "non_max_suppression", "metric": "iou", "iou": 0.5, "class_ag
 
 def supervision():
     """supervision, or a CommandError naming the extra that installs it."""
-    try:
-        import supervision
-    except ImportError:
-        raise CommandError(
-            f'slicing needs supervision, the "slice" extra: {install_hint("slice")} (or pip install supervision)'
-        ) from None
-    return supervision
+    return optional("supervision", "slice", "slicing")
 
 
 def check_slice(

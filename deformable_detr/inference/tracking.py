@@ -33,7 +33,7 @@ import itertools
 import numpy as np
 from PIL import Image
 
-from ..errors import CommandError, UsageError, install_hint
+from ..errors import UsageError, optional
 
 TRACKERS = ("bytetrack", "sort", "ocsort")
 LOW_SCORE = 0.1  # ByteTrack's second association takes detections down to this score (its paper's)
@@ -42,11 +42,7 @@ DUPLICATES_IOU = 0.5  # a box overlapping a better one more than this is not giv
 
 
 def _trackers():
-    try:
-        import trackers
-    except ImportError:
-        raise CommandError(f'tracking needs Roboflow\'s trackers, the "track" extra: {install_hint("track")}') from None
-    return trackers
+    return optional("trackers", "track", "tracking")  # Roboflow's
 
 
 def check_tracker(name: str):

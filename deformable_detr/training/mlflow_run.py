@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from ..config import flat_config
-from ..errors import CommandError, install_hint
+from ..errors import optional
 
 EXPERIMENT = "deformable-detr"  # where $MLFLOW_EXPERIMENT_NAME is not set
 REMOTE_SCHEMES = ("http", "https", "databricks")  # served stores: no database client needed here
@@ -43,13 +43,7 @@ def require_mlflow(setting):
     if setting is True or uri_scheme(setting) not in (*REMOTE_SCHEMES, "file", ""):  # "": a folder, the file store
         needed += ["sqlalchemy", "alembic"]  # MLflow's database stores (SQLite, PostgreSQL, ...)
     for module in needed:
-        try:
-            __import__(module)
-        except ImportError:
-            raise CommandError(
-                f"train.mlflow needs mlflow-skinny, sqlalchemy and alembic (no {module.split('.')[0]} here): "
-                + install_hint("mlflow")
-            ) from None
+        optional(module, "mlflow", "train.mlflow")
 
 
 def uri_scheme(uri: str) -> str:

@@ -15,17 +15,12 @@ import time
 
 from PIL import Image
 
-from ..errors import CommandError, install_hint
+from ..errors import optional
 
 
 def require_tensorboard():
     """Before a run starts: `train.tensorboard: true` without the package is one line naming it."""
-    try:
-        import tensorboard.summary.writer.event_file_writer  # noqa: F401
-    except ImportError:
-        raise CommandError(
-            f"train.tensorboard: true needs the tensorboard package: {install_hint('tensorboard')}"
-        ) from None
+    optional("tensorboard.summary.writer.event_file_writer", "tensorboard", "train.tensorboard: true")
 
 
 class TensorBoard:

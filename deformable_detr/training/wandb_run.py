@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from ..config import config_to_dict
-from ..errors import CommandError, install_hint
+from ..errors import optional
 
 PROJECT = "deformable-detr"  # where $WANDB_PROJECT is not set
 MODES = ("offline",)  # train.wandb's values other than false
@@ -30,10 +30,7 @@ MODES = ("offline",)  # train.wandb's values other than false
 
 def require_wandb():
     """Before a run starts: `train.wandb` without the package is one line naming the extra."""
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise CommandError(f"train.wandb needs the wandb package: {install_hint('wandb')}") from None
+    optional("wandb", "wandb", "train.wandb")
 
 
 class WandbRun:

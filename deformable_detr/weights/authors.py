@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import ConversionError, install_hint
+from ..errors import ConversionError, optional
 from ..models.swin import BUFFERS as SWIN_BUFFERS
 from ..models.swin import SWIN_ARCHITECTURES, relative_position_index
 from .files import open_safetensors
@@ -70,12 +70,7 @@ def read_checkpoint(path: Path) -> tuple[dict, dict]:
 
 
 def _read_torch(path: Path) -> tuple[dict, dict]:
-    try:
-        import torch
-    except ImportError:
-        raise ConversionError(
-            f"{path}: reading .pth / .bin files needs PyTorch; install it with {install_hint('convert')}"
-        ) from None
+    torch = optional("torch", "convert", f"{path}: reading .pth / .bin files")
     import pickle
     import zipfile
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..config import CONFIGS_DIR, load_config, model_overrides
 from ..data.coco import COCO_CATEGORY_NAMES
-from ..errors import ConversionError, install_hint
+from ..errors import ConversionError, optional
 from ..models import build_model
 from ..models.backbone import Backbone
 from ..models.swin import SWIN_ARCHITECTURES
@@ -107,12 +107,7 @@ def export_torch(weights: dict, model_config: dict, dst: Path, source="the model
     dict) -> `dst`, `{"model": state_dict, "args": Namespace}` as the authors' `main.py` saves it: their
     key names, convolutions OIHW, the tied keys restored; `args` the model options the keys cannot show.
     Needs PyTorch. -> a one-line summary."""
-    try:
-        import torch
-    except ImportError:
-        raise ConversionError(
-            f"exporting to PyTorch needs PyTorch; install it with {install_hint('convert')}"
-        ) from None
+    torch = optional("torch", "convert", "exporting to PyTorch")
     state = to_authors(weights)
     _check_round_trip(sanitize(state, source=str(source)), weights, source)
     checkpoint = {"model": {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}}

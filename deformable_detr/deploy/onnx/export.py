@@ -8,16 +8,13 @@ from pathlib import Path
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...errors import CommandError, UsageError, install_hint
+from ...errors import CommandError, UsageError, install_hint, optional
 from ...weights.files import atomic_write
 from ..check import TOLERANCE, check_canvas, differences
 
 
 def require(module: str):
-    try:
-        return __import__(module)
-    except ImportError:
-        raise CommandError(f"exporting to ONNX needs the {module} package: {install_hint('onnx')}") from None
+    return optional(module, "onnx", "exporting to ONNX")
 
 
 def check_options(cfg, weights: dict, canvas: tuple, batch: int, sampler: str):
