@@ -49,6 +49,7 @@ import mlx.core as mx
 
 from .cpu import threads
 from .export import exporting
+from .native import other_mlx
 
 VARIABLE = "DEFORMABLE_DETR_ONEDNN"
 # The caches' capacities (native/onednn.cpp): plans (a shape's primitives) of each kind (oneDNN's own
@@ -84,8 +85,9 @@ def _load():
         module = importlib.import_module("kernels._onednn")
     except (OSError, ImportError) as error:
         return None, f"kernels._onednn cannot be loaded ({error}); reinstalling the package builds it"
-    if module.mlx_version != mx.__version__:
-        return None, f"kernels._onednn was built against MLX {module.mlx_version}, not {mx.__version__}"
+    mismatch = other_mlx(module)
+    if mismatch:
+        return None, mismatch
     module.set_capacity(_whole_number(PLANS_VARIABLE, PLANS))
     return module, None
 
@@ -149,11 +151,6 @@ def products_in(dtype, kept=None):
         yield
     finally:
         _products.reset(token)
-
-
-def products() -> mx.Dtype:
-    """The dtype `products_in` asks for here (float32 outside it)."""
-    return _products.get()[0]
 
 
 def kept_weights():

@@ -169,7 +169,7 @@ def test_decoded_pixels_stay_within_the_budget_and_memory_is_returned(served):
     statuses = burst(url, large)
     assert statuses[0] == 200 and statuses[-1] == 503, statuses
     peak = resident_mib(process.pid, "VmHWM") - before
-    # 8 bytes a pixel while decoding RGB (uploads.pixels): the budget's 40 M pixels are 305 MiB; six images
+    # 8 bytes a pixel while decoding RGB (uploads.decoding_cost): the budget's 40 M pixels are 305 MiB; six images
     # at once would be 730
     assert peak < BUDGET_MP * 8 * 1.25, f"{peak:.0f} MiB over the {before:.0f} before"
     # Measured (2-core AMD EPYC, from 131 MiB, peak +376): 131 to 262 MiB after the burst with malloc_trim, by

@@ -1,4 +1,4 @@
-"""Export this port's weights to the authors' PyTorch layout or to Hugging Face transformers'.
+"""Export a model: to ONNX, to an MLX function (.mlxfn), to the authors' PyTorch layout or to Hugging Face's.
 
     deformable-detr export --to torch --checkpoint MODEL.safetensors OUT.pth [--config FILE]
     deformable-detr export --to huggingface --checkpoint MODEL.safetensors DIR [--hf-backbone timm|transformers]

@@ -9,7 +9,7 @@
     GET /v1/model    the model: name, classes, queries, layers, heads, levels, points, val_size, max_size,
                      level_colours ([r, g, b] of each feature level's sampling points, inference/visualize.py's)
     GET /v1/stats    requests, images, batches, batch_sizes {size: count}, queued, megapixels (of the pixel
-                     budget held now, as uploads.pixels counts them), errors (answers 4xx or 5xx),
+                     budget held now, as uploads.decoding_cost counts them), errors (answers 4xx or 5xx),
                      disconnects (clients gone before their answer), timeouts (stalled: headers or a body
                      not in within the read timeout, closed)
     GET /healthz     200 {"status": "ok"} once the model has run a warm-up forward, else 503
@@ -53,11 +53,11 @@ from ..inference.slicing import OVERLAP, check_slice, slice_count, supervision
 from ..inference.visualize import LEVEL_COLOURS
 from ..weights.hub import is_hub
 from .batcher import Batcher, Closed, QueueFull
-from .uploads import ClientError, OverBudget, PixelBudget, decode, pixels, quoted, read_header
+from .uploads import ClientError, OverBudget, PixelBudget, decode, decoding_cost, quoted, read_header
 
 PAGE = Path(__file__).parent / "static" / "index.html"
 RETRY_AFTER_S = 1  # what a 503 for a full queue or a taken pixel budget asks the client to wait
-THRESHOLD = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # ASCII digits alone (str.isdigit takes '²')
+DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # ASCII digits alone (str.isdigit takes '²')
 LAYER = re.compile(r"-?[0-9]{1,6}")
 DIGITS = re.compile(r"[0-9]+")
 TRUE, FALSE = ("1", "true"), ("0", "false")
@@ -259,7 +259,7 @@ class DetectionService:
         headers = [await run_in_threadpool(read_header, data, name) for name, data in named]
         if sliced is not None:
             self.check_slices(headers, *sliced)
-        with self.budget.reserved(sum(pixels(header) for header in headers)):
+        with self.budget.reserved(sum(decoding_cost(header) for header in headers)):
             return await self._answer(uploads, headers, threshold, layer, sliced)
 
     def check_slices(self, headers: list, size: tuple[int, int], overlap: float) -> None:
@@ -353,7 +353,7 @@ def detect_options(query, decoder_layers: int) -> tuple[float, int | None]:
     if repeated:
         raise ClientError(400, f"query parameter {repeated[0]} given more than once: give it once")
     threshold = query.get("threshold", "0.5")
-    if not THRESHOLD.fullmatch(threshold) or not 0 <= float(threshold) <= 1:
+    if not DECIMAL.fullmatch(threshold) or not 0 <= float(threshold) <= 1:
         raise ClientError(400, f"threshold {quoted(threshold)}: expected a decimal from 0 to 1, such as 0.3")
     attention = query.get("attention", "0")
     if attention.lower() not in TRUE + FALSE or not attention.isascii():
@@ -375,7 +375,7 @@ def slice_options(query, layer) -> tuple | None:
         return None
     if not SLICE.fullmatch(size):
         raise ClientError(400, f"slice {quoted(size)}: expected W,H, two whole numbers of pixels, such as 256,256")
-    if overlap is not None and not THRESHOLD.fullmatch(overlap):
+    if overlap is not None and not DECIMAL.fullmatch(overlap):
         raise ClientError(400, f"overlap {quoted(overlap)}: expected a decimal from 0 up to (not including) 1: 0.2")
     if layer is not None:
         raise ClientError(400, "slice: attention shows one forward of a whole image; not with slice")

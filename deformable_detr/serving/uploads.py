@@ -3,7 +3,7 @@ EXIF orientation, first frame, truncation and decompression-bomb errors), the HT
 upload can be wrong, and the budget of decoded pixels the server holds at once.
 
     header = read_header(body, "photo.jpg")  # the header alone: its size; ClientError(status, message)
-    with budget.reserved(pixels(header)):    # 413 over the whole budget, OverBudget (503) over what is left
+    with budget.reserved(decoding_cost(header)):    # 413 over the whole budget, OverBudget (503) over what is left
         image = decode(header)               # RGB as a viewer shows it; ClientError otherwise
     budget.return_memory()                   # once nothing refers to the image any more"""
 
@@ -57,9 +57,9 @@ def decode(header: ImageFile) -> Image.Image:
         return header.rgb("displayed")
 
 
-def pixels(header: ImageFile) -> int:
-    """What the image counts in the pixel budget: its pixels, times what decoding one holds at its peak
-    over an RGB one's 8 bytes (measured, Pillow 13: RGB 8, L and P 5, with alpha 20, 16-bit 22, 32-bit 36)."""
+def decoding_cost(header: ImageFile) -> int:
+    """What the image counts in the pixel budget (not its pixel count): its pixels, times what decoding one holds at
+    its peak over an RGB one's 8 bytes (measured, Pillow 13: RGB 8, L and P 5, with alpha 20, 16-bit 22, 32-bit 36)."""
     width, height = header.stored_size
     if header.mode in WIDE_MODES:
         return width * height * 5

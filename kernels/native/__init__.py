@@ -26,12 +26,16 @@ def _load():
         module = importlib.import_module("kernels._native")
     except ImportError as error:
         return None, f"the C++ extension kernels._native is not built ({error}): {REBUILD}"
-    if module.mlx_version != mx.__version__:
-        return None, (
-            f"kernels._native was built against MLX {module.mlx_version}, and MLX {mx.__version__} is installed: "
-            f"{REBUILD}"
-        )
-    return module, None
+    return (None, other_mlx(module)) if other_mlx(module) else (module, None)
+
+
+def other_mlx(module) -> str | None:
+    """Why an extension (kernels._native, kernels._onednn) built against another MLX than this one cannot be used
+    (MLX's C++ ABI changes between releases), or None: the one check both make."""
+    if module.mlx_version == mx.__version__:
+        return None
+    built = f"{module.__name__} was built against MLX {module.mlx_version}"
+    return f"{built}, and MLX {mx.__version__} is installed: {REBUILD}"
 
 
 def module():
