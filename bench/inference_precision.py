@@ -70,7 +70,7 @@ def main(argv=None):
     detectors = {p: Detector.load(args.checkpoint, precision=p) for p in PRECISIONS}
     stats = {p: d.evaluate() for p, d in detectors.items()}
     data = detectors["float32"].cfg.data
-    val = Path(data.path or data.coco_path) / "val2017"
+    val = Path(data.path) / "val2017"
     images = sorted(val.iterdir())
     found = {p: detections(d, images) for p, d in detectors.items()}
     lines = [

@@ -4,7 +4,7 @@ known key.
 
 A config file is a path, or the name of a config shipped in the package (`r50`, `shapes`, ...:
 `deformable_detr/configs/`, which a checkout's `configs/` links to), so `--config shapes` works in
-any folder. Relative paths inside a config (`data.path`, `data.coco_path`) are relative to the
+any folder. Relative paths inside a config (`data.path`) are relative to the
 current directory, where the command runs (as the quick start's `data/shapes`), not to the file.
 
 A run's config.yaml is the config it started with and, where a `train.py --resume` changed it,
@@ -13,6 +13,8 @@ with its changes applied, the config in effect last."""
 
 import dataclasses
 import difflib
+import functools
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,9 +108,8 @@ class DataConfig:
     # coco | shapes | yolo | voc | createml, or a registered name (deformable_detr/data/__init__.py)
     dataset: str = "coco"
     # Where the dataset is: COCO's root folder, YOLO's data.yaml (or its folder), VOC's folder holding
-    # Annotations/, Create ML's folder holding train/ and valid/ ("": coco_path, which is read as before)
-    path: str = ""
-    coco_path: str = "data/coco"
+    # Annotations/, Create ML's folder holding train/ and valid/ (data.coco_path, its old name, is read as it)
+    path: str = "data/coco"
     num_workers: int = 2  # mlx-data threads decoding and augmenting
     prefetch: int = 4  # batches prepared ahead
     scales: list = field(default_factory=lambda: list(range(480, 801, 32)))  # train: shorter side, at random
@@ -201,7 +202,6 @@ RESUME_EFFECTS = {
     "schedule.micro_batch_size": RUNS,
     "data.dataset": TRAINS,
     "data.path": DATA,
-    "data.coco_path": DATA,
     "data.num_workers": RUNS,
     "data.prefetch": RUNS,
     **{f"data.{key}": TRAINS for key in ("scales", "max_size", "crop_resize", "crop_size", "exif_orientation")},
@@ -305,7 +305,32 @@ def _problem(error: yaml.YAMLError) -> str:
     return getattr(error, "problem", None) or str(error).splitlines()[0]
 
 
+# Keys renamed: a config, override or checkpoint that writes the old name is read as the new one, with a note.
+RENAMED = {"data.coco_path": "data.path"}
+
+
+@functools.cache
+def _note_renamed(source: str, old: str, new: str):
+    print(f"{source}: {old} is read as {new} (its name now)", file=sys.stderr)
+
+
+def _renamed(data: dict, source: str, prefix: str) -> dict:
+    """`data` with the old names of RENAMED under `prefix` read as their new ones; the new one's value wins where
+    both are set (and the new one is not empty)."""
+    data = dict(data)
+    for old, new in RENAMED.items():
+        section, _, old_name = old.rpartition(".")
+        new_name = new.rpartition(".")[2]
+        if prefix == f"{section}." and old_name in data:
+            value = data.pop(old_name)
+            if data.get(new_name) in (None, ""):
+                data[new_name] = value
+            _note_renamed(source, old, new)
+    return data
+
+
 def _merge(target, data: dict, source: str, prefix: str):
+    data = _renamed(data, source, prefix)
     names = {f.name: f for f in dataclasses.fields(target)}
     unknown = sorted(set(data) - set(names))
     if unknown:

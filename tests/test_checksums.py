@@ -37,7 +37,7 @@ def shapes(tmp_path_factory):
 def trained(shapes, tmp_path_factory):
     """A run directory after one training step: its checkpoint, config.yaml and log.jsonl."""
     output = tmp_path_factory.mktemp("run")
-    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={shapes}", "train.max_steps=1"]
+    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.path={shapes}", "train.max_steps=1"]
     train.main(argv + SETTINGS)
     return output
 

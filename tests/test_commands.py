@@ -29,7 +29,7 @@ def cases(data, tmp):
     broken = tmp / "broken.yaml"
     image = data / "val2017" / "000000000001.png"
     config, nowhere = ["--config", str(TINY)], str(tmp / "nowhere.safetensors")
-    data_path = f"data.coco_path={data}"
+    data_path = f"data.path={data}"
     unknown = "override: schedule.batchsize: unknown key; did you mean schedule.batch_size?"
     wrong_type = "override: schedule.batch_size must be int, got 'abc'"
     missing_config = f"config file not found: {tmp / 'none.yaml'}"

@@ -104,5 +104,5 @@ def test_single_scale_model_runs():
 
 def test_custom_is_r50_with_auto_classes_and_its_own_data():
     cfg = load_config(CONFIGS_DIR / "custom.yaml")
-    expected = load_config(CONFIGS_DIR / "r50.yaml", ["model.num_classes=auto", "data.coco_path=data/custom"])
+    expected = load_config(CONFIGS_DIR / "r50.yaml", ["model.num_classes=auto", "data.path=data/custom"])
     assert cfg == expected and cfg.model.num_classes == "auto"

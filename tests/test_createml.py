@@ -112,7 +112,7 @@ def coco_model(sets, tmp_path_factory):
     1..5), long enough that its AP is not all zeros."""
     output = tmp_path_factory.mktemp("coco_run")
     train.main(
-        ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={sets['coco']}"]
+        ["--config", str(TINY), "--output-dir", str(output), f"data.path={sets['coco']}"]
         + ["schedule.epochs=6", "train.eval_every=0", "model.num_queries=20"]
     )
     return output / "checkpoint.safetensors"
@@ -122,7 +122,7 @@ def test_eval_on_the_createml_set_gives_the_coco_files_ap(sets, coco_model, tmp_
     """eval.py on the val split as Create ML (ids: sorted names): the same detections, their ids the
     dataset's of the same name, and every number of eval_results.json equal to the COCO JSON's."""
     argv = ["--checkpoint", str(coco_model)]  # the config the checkpoint records
-    want = eval_script.main([*argv, "--output-dir", str(tmp_path / "coco"), f"data.coco_path={sets['coco']}"])
+    want = eval_script.main([*argv, "--output-dir", str(tmp_path / "coco"), f"data.path={sets['coco']}"])
     got = eval_script.main(
         [*argv, "--output-dir", str(tmp_path / "createml"), "data.dataset=createml", f"data.path={sets['createml']}"]
     )

@@ -99,7 +99,7 @@ def test_batches_are_deterministic_padded_and_normalised(shapes):
     cfg = load_config(
         None,
         [
-            f"data.coco_path={shapes}",
+            f"data.path={shapes}",
             "data.scales=[64, 96]",
             "data.max_size=128",
             "data.crop_resize=[96]",
@@ -130,11 +130,11 @@ def test_missing_image_names_its_path(shapes, tmp_path):
     shutil.copytree(shapes, root)
     (root / "train2017" / "000000000003.png").unlink()
     (root / "train2017" / "000000000005.png").write_bytes(b"not a png")
-    cfg = load_config(None, [f"data.coco_path={root}"])
+    cfg = load_config(None, [f"data.path={root}"])
     loader = DataLoader(build_dataset("train", cfg.data), batch_size=2, shuffle=False)
     with pytest.raises(BadImageError, match=r"000000000003\.png: image file not found \(image id 3\)"):
         micro_batches(loader, 0)
-    skipping = load_config(None, [f"data.coco_path={root}", "data.skip_bad_images=true"])
+    skipping = load_config(None, [f"data.path={root}", "data.skip_bad_images=true"])
     loader = DataLoader(build_dataset("train", skipping.data), batch_size=2, shuffle=False)
     with pytest.warns(UserWarning) as warned:
         batches = micro_batches(loader, 0)
@@ -187,15 +187,15 @@ def test_batches_come_in_order_whatever_the_threads_do():
 def test_registered_datasets_are_built_by_name(shapes):
     from deformable_detr.data import DATASETS, dataset_reads, register_dataset
 
-    cfg = load_config(None, [f"data.coco_path={shapes}", "data.dataset=mine"])
+    cfg = load_config(None, [f"data.path={shapes}", "data.dataset=mine"])
     with pytest.raises(ValueError, match=r"data.dataset 'mine': expected one of coco, createml, shapes"):
         build_dataset("val", cfg.data)
     built = []
 
     @register_dataset("mine")
     def mine(split, data_cfg, prepare=True):
-        built.append((split, data_cfg.coco_path, prepare))
-        return CocoDetection(data_cfg.coco_path, split)
+        built.append((split, data_cfg.path, prepare))
+        return CocoDetection(data_cfg.path, split)
 
     try:
         dataset = build_dataset("val", cfg.data, prepare=False)
@@ -209,7 +209,7 @@ def test_registered_datasets_are_built_by_name(shapes):
 
 
 def test_shapes_set_is_not_generated_without_prepare(tmp_path):
-    cfg = load_config(None, [f"data.coco_path={tmp_path / 'shapes'}", "data.dataset=shapes"])
+    cfg = load_config(None, [f"data.path={tmp_path / 'shapes'}", "data.dataset=shapes"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         build_dataset("val", cfg.data, prepare=False)
     assert not (tmp_path / "shapes").exists()

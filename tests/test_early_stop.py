@@ -24,7 +24,7 @@ def shapes(tmp_path_factory):
 
 
 def arguments(shapes, output, *overrides):
-    return ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={shapes}", *overrides]
+    return ["--config", str(TINY), "--output-dir", str(output), f"data.path={shapes}", *overrides]
 
 
 def evaluations(output) -> list[tuple[int, float]]:

@@ -33,7 +33,7 @@ def trained(tmp_path_factory):
             str(TINY),
             "--output-dir",
             str(output),
-            f"data.coco_path={root}",
+            f"data.path={root}",
             "schedule.epochs=3",
             "model.num_queries=20",
         ]
@@ -184,7 +184,7 @@ def test_scripts_start_with_the_blas_preloaded(command):
 
 
 def test_eval_and_predict_take_the_config_the_checkpoint_records(trained, tmp_path):
-    """No --config: the run's own (its num_queries=20 and data.coco_path), as given to train.py."""
+    """No --config: the run's own (its num_queries=20 and data.path), as given to train.py."""
     root, output = trained
     checkpoint = str(output / "checkpoint.safetensors")
     given = eval_script.main(
@@ -195,7 +195,7 @@ def test_eval_and_predict_take_the_config_the_checkpoint_records(trained, tmp_pa
             checkpoint,
             "--output-dir",
             str(tmp_path / "a"),
-            f"data.coco_path={root}",
+            f"data.path={root}",
             "model.num_queries=20",
         ]
     )

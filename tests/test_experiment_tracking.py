@@ -58,7 +58,7 @@ def environment(tmp) -> dict:
 def three_goes(shapes, output, env: dict, *settings) -> list[dict]:
     """Steps 1-6 (an evaluation at 6); resumed to 18, checkpointing every 8, killed (kill -9) after
     step 10, past its checkpoint at 8; resumed to 18 (evaluations at 12 and 18). -> log.jsonl's records."""
-    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={shapes}", "schedule.epochs=3"]
+    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.path={shapes}", "schedule.epochs=3"]
     argv += ["model.dropout=0.0", *settings]
     with pytest.MonkeyPatch.context() as patch:
         for name in TRACKER_VARIABLES:
@@ -254,7 +254,7 @@ def test_wandb_offline_run_holds_the_log(tracked):
 
 
 def test_without_the_packages_one_line_before_anything_is_written(shapes, tmp_path, monkeypatch):
-    argv = ["--config", str(TINY), "--output-dir", str(tmp_path / "run"), f"data.coco_path={shapes}"]
+    argv = ["--config", str(TINY), "--output-dir", str(tmp_path / "run"), f"data.path={shapes}"]
     monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # as if not installed
     with pytest.raises(SystemExit) as stopped:
         train.main([*argv, "train.mlflow=true"])

@@ -55,7 +55,7 @@ def new_set(tmp_path_factory):
 
 def test_rows_carried_over_by_name_and_new_rows_as_a_fresh_model(source, new_set):
     path, before = source
-    cfg = load_config(TINY, [*TWO_STAGE, "model.num_classes=5", f"data.coco_path={new_set}", "data.dataset=coco"])
+    cfg = load_config(TINY, [*TWO_STAGE, "model.num_classes=5", f"data.path={new_set}", "data.dataset=coco"])
     names = build_dataset("train", cfg.data).class_names()
     assert names == {1: "circle", 2: "square", 3: "hexagon", 4: "star"}
     mx.random.seed(7)
@@ -85,7 +85,7 @@ def test_finetune_trains_and_records_the_new_names(source, new_set, tmp_path, ca
     path, before = source
     output = tmp_path / "run"
     argv = ["--config", str(TINY), "--output-dir", str(output), "--finetune", str(path)]
-    train.main(argv + [*TWO_STAGE, f"data.coco_path={new_set}", "model.num_classes=auto", "train.max_steps=2"])
+    train.main(argv + [*TWO_STAGE, f"data.path={new_set}", "model.num_classes=auto", "train.max_steps=2"])
     printed = capsys.readouterr().out
     assert "carried over by name (id -> id): circle (2 -> 1), square (1 -> 2); new: hexagon (3), star (4)" in printed
     assert "num_classes: 5" in (output / "config.yaml").read_text()
@@ -113,7 +113,7 @@ def test_another_variant_is_an_error_naming_the_key(source, new_set, tmp_path, o
     path, _ = source
     argv = ["--config", str(TINY), "--output-dir", str(tmp_path), "--finetune", str(path)]
     with pytest.raises(SystemExit) as stopped:
-        train.main(argv + [*TWO_STAGE, f"data.coco_path={new_set}", "model.num_classes=auto", override])
+        train.main(argv + [*TWO_STAGE, f"data.path={new_set}", "model.num_classes=auto", override])
     assert str(stopped.value).startswith(f"error: {path}: ") and key in str(stopped.value)
     assert not (tmp_path / "checkpoint.safetensors").exists()
 
@@ -122,7 +122,7 @@ def test_weights_of_other_classes_point_to_finetune(source, new_set, tmp_path):
     path, _ = source
     argv = ["--config", str(TINY), "--output-dir", str(tmp_path), "--weights", str(path)]
     with pytest.raises(SystemExit, match=r"class_embed\.0\.bias has shape \(6,\); the model's is \(5,\).*--finetune"):
-        train.main(argv + [*TWO_STAGE, f"data.coco_path={new_set}", "model.num_classes=auto"])
+        train.main(argv + [*TWO_STAGE, f"data.path={new_set}", "model.num_classes=auto"])
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def ids_to_90(tmp_path_factory):
 
 def test_a_category_id_beyond_num_classes_stops_before_any_step(ids_to_90, tmp_path):
     output = tmp_path / "run"
-    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={ids_to_90}", "model.num_classes=50"]
+    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.path={ids_to_90}", "model.num_classes=50"]
     with pytest.raises(SystemExit) as stopped:
         train.main(argv)
     annotation_file = ids_to_90 / "annotations" / "instances_train2017.json"
@@ -156,7 +156,7 @@ def test_a_category_id_beyond_num_classes_stops_before_any_step(ids_to_90, tmp_p
 
 def test_num_classes_auto_is_the_largest_id_plus_one(ids_to_90, tmp_path):
     output = tmp_path / "run"
-    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={ids_to_90}"]
+    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.path={ids_to_90}"]
     train.main(argv + ["model.num_classes=auto", "train.max_steps=1", "train.eval_every=0"])
     assert load_config(output / "config.yaml").model.num_classes == 91
     saved = read_weights(output / "checkpoint.safetensors")
@@ -194,7 +194,7 @@ def test_predict_names_classes_from_converted_coco_weights(tmp_path, capsys):
     assert read_weights(tmp_path / "coco.safetensors").class_names == COCO_CATEGORY_NAMES
 
     image = generate(tmp_path / "images", 1, 1, seed=2, **SMALL) / "val2017" / "000000000001.png"
-    settings = [f"data.coco_path={tmp_path / 'nowhere'}", "model.num_classes=auto", *overrides[1:]]
+    settings = [f"data.path={tmp_path / 'nowhere'}", "model.num_classes=auto", *overrides[1:]]
     argv = ["--config", str(TINY), "--checkpoint", str(tmp_path / "coco.safetensors"), "--output-dir", str(tmp_path)]
     predict_main([*argv, "--threshold", "0", *settings, str(image)])
     records = json.loads((tmp_path / "000000000001.json").read_text())
@@ -208,7 +208,7 @@ def test_predict_names_classes_from_converted_coco_weights(tmp_path, capsys):
 def test_eval_meets_the_weights_classes_by_name(new_set):
     """The weights name the five shapes at 1..5; the new set has circle 1, square 2, hexagon 3, star 4:
     square and circle meet by name, hexagon and star have no class of the model."""
-    dataset = build_dataset("val", load_config(TINY, [f"data.coco_path={new_set}"]).data)
+    dataset = build_dataset("val", load_config(TINY, [f"data.path={new_set}"]).data)
     recorded = {i + 1: name for i, name in enumerate(CATEGORIES)}
     class_map = match_classes(recorded, dataset.class_names())
     assert class_map == {1: 2, 2: 1}

@@ -337,7 +337,7 @@ def coco_model(sets, tmp_path_factory):
     """The quick start's kind of model, tiny, two steps on the COCO JSON set: its category ids 1..5."""
     output = tmp_path_factory.mktemp("coco_run")
     train.main(
-        ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={sets['coco']}", "train.max_steps=2"]
+        ["--config", str(TINY), "--output-dir", str(output), f"data.path={sets['coco']}", "train.max_steps=2"]
         + ["schedule.epochs=1", "train.eval_every=0"]
     )
     return output / "checkpoint.safetensors"
@@ -359,7 +359,7 @@ def test_a_model_is_evaluated_on_other_ids_by_class_name(sets, coco_model, tmp_p
     """eval.py on the val split written as YOLO (ids 0..4) or VOC (sorted names): the same detections,
     their ids the dataset's of the same name, the same AP as on the COCO JSON."""
     argv = ["--checkpoint", str(coco_model), "--config", str(TINY)]
-    want = eval_script.main([*argv, "--output-dir", str(tmp_path / "coco"), f"data.coco_path={sets['coco']}"])
+    want = eval_script.main([*argv, "--output-dir", str(tmp_path / "coco"), f"data.path={sets['coco']}"])
     got = eval_script.main(
         [*argv, "--output-dir", str(tmp_path / kind), f"data.dataset={kind}", f"data.path={sets[kind]}"]
     )

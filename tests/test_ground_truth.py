@@ -63,7 +63,7 @@ def found_perfectly(annotations, kept) -> list:
 
 
 def coco_set(root):
-    return build_dataset("val", load_config(None, [f"data.coco_path={root}"]).data)
+    return build_dataset("val", load_config(None, [f"data.path={root}"]).data)
 
 
 def test_every_kept_box_found_scores_ap_one_against_the_kept_ground_truth(tmp_path):

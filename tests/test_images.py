@@ -130,7 +130,7 @@ def coco_set(root, orientation: int, recorded: str):
 @pytest.mark.parametrize("orientation", [3, 6, 8])
 @pytest.mark.parametrize("recorded", ["displayed", "stored"])
 def test_coco_reads_the_frame_whose_size_the_file_records(tmp_path, orientation, recorded):
-    cfg = load_config(TINY, ["data.dataset=coco", f"data.coco_path={coco_set(tmp_path, orientation, recorded)}"])
+    cfg = load_config(TINY, ["data.dataset=coco", f"data.path={coco_set(tmp_path, orientation, recorded)}"])
     image, target = build_dataset("train", cfg.data).load(0)
     # 180 degrees: both frames are 160 x 96, nothing tells them apart: the stored frame, as the authors read COCO
     taken = "stored" if orientation == 3 else recorded
@@ -138,7 +138,7 @@ def test_coco_reads_the_frame_whose_size_the_file_records(tmp_path, orientation,
     if taken == recorded:
         assert_box_over_the_object(image, target["boxes"][0])
     if orientation == 3 and recorded == "displayed":  # data.exif_orientation says which frame
-        cfg = load_config(TINY, ["data.dataset=coco", f"data.coco_path={tmp_path}", "data.exif_orientation=displayed"])
+        cfg = load_config(TINY, ["data.dataset=coco", f"data.path={tmp_path}", "data.exif_orientation=displayed"])
         image, target = build_dataset("train", cfg.data).load(0)
         assert_box_over_the_object(image, target["boxes"][0])
 

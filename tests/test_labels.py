@@ -67,7 +67,7 @@ def coco_json(root, categories, annotation_categories):
 
 def test_coco_categories_by_case_are_one_class(tmp_path):
     root = coco_json(tmp_path, {1: "Dog", 2: "dog ", 3: "cat", 4: "DOG"}, [1, 2, 2, 3, 4])
-    dataset = build_dataset("val", load_config(TINY, [f"data.coco_path={root}"]).data)
+    dataset = build_dataset("val", load_config(TINY, [f"data.path={root}"]).data)
     assert dataset.class_names() == {1: "dog", 3: "cat"}  # the lowest id, "dog " twice: the most frequent
     assert dataset.class_spellings() == {1: Counter({"dog ": 2, "Dog": 1, "DOG": 1})}
     assert list(dataset.load(0)[1]["labels"]) == [1, 1, 1, 3, 1]

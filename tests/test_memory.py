@@ -117,7 +117,7 @@ def test_auto_takes_the_largest_micro_batch_that_divides_the_share_and_fits(shap
     )
     monkeypatch.setattr(memory, "_accumulator", lambda trainer, micro_batches: 0)
     cfg = load_config(
-        TINY, [f"data.coco_path={shapes}", "schedule.micro_batch_size=auto", f"train.memory_limit_gb={limit_gb}"]
+        TINY, [f"data.path={shapes}", "schedule.micro_batch_size=auto", f"train.memory_limit_gb={limit_gb}"]
     )
     estimate = memory.plan_micro_batch(SimpleNamespace(cfg=cfg), build_dataset("train", cfg.data).image_sizes(), 8)
     assert cfg.schedule.micro_batch_size == chosen and estimate.peak_bytes == (0.5 + 0.5 * chosen) * memory.GIB
@@ -130,7 +130,7 @@ def test_auto_that_cannot_fit_one_image_stops_naming_it(shapes, monkeypatch):  #
         memory, "estimate_step_memory", lambda t, b, h, w, n: memory.Estimate(b * memory.GIB, b, h, w, [])
     )
     monkeypatch.setattr(memory, "_accumulator", lambda trainer, micro_batches: 0)
-    cfg = load_config(TINY, [f"data.coco_path={shapes}", "schedule.micro_batch_size=auto", "train.memory_limit_gb=0.5"])
+    cfg = load_config(TINY, [f"data.path={shapes}", "schedule.micro_batch_size=auto", "train.memory_limit_gb=0.5"])
     with pytest.raises(memory.MemoryBudgetError, match=r"1\.0 GiB for a micro-batch of 1 x 64 x 64 px.*0\.5 GiB"):
         memory.plan_micro_batch(SimpleNamespace(cfg=cfg), build_dataset("train", cfg.data).image_sizes(), 8)
 
@@ -138,7 +138,7 @@ def test_auto_that_cannot_fit_one_image_stops_naming_it(shapes, monkeypatch):  #
 def test_a_budget_too_small_stops_before_any_step(shapes, tmp_path):  # noqa: F811
     output = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), "--config", str(TINY), "--output-dir", str(output)]
-    command += [f"data.coco_path={shapes}", "train.memory_limit_gb=0.01"]
+    command += [f"data.path={shapes}", "train.memory_limit_gb=0.01"]
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment)
     assert done.returncode == 1, done.stderr[-2000:]
@@ -171,7 +171,7 @@ def test_an_allocation_failure_in_a_step_stops_with_the_advice_and_keeps_the_che
                 str(TINY),
                 "--output-dir",
                 str(tmp_path),
-                f"data.coco_path={shapes}",
+                f"data.path={shapes}",
                 "train.max_steps=4",
                 "--resume",
                 str(checkpoint),

@@ -33,7 +33,7 @@ def shapes(tmp_path_factory):
 def trained(shapes, tmp_path_factory):
     """A run of 2 steps (tiny.yaml: seed 42, batches of 2, 2 workers), copied by `output`."""
     output = tmp_path_factory.mktemp("trained")
-    run(output, f"data.coco_path={shapes}", "train.max_steps=2")
+    run(output, f"data.path={shapes}", "train.max_steps=2")
     return output
 
 
@@ -101,7 +101,7 @@ def test_a_changed_seed_and_batch_size_refuse_in_one_line_writing_nothing(shapes
 
 
 def test_allowed_changes_run_and_config_yaml_keeps_the_history(shapes, output, capsys):
-    data = f"data.coco_path={shapes}"
+    data = f"data.path={shapes}"
     changed = ["seed=7", "schedule.batch_size=4", "--resume", "--allow-change", "seed"]
     run(output, data, "train.max_steps=3", *changed, "--allow-change", "schedule.batch_size")
     assert progress_of(output / "checkpoint.safetensors")["global_step"] == 3
@@ -138,7 +138,7 @@ def test_allowed_changes_run_and_config_yaml_keeps_the_history(shapes, output, c
 
 
 def test_a_changed_num_workers_passes_with_a_note_and_trains_the_same(shapes, output, tmp_path, capsys):
-    run(output, f"data.coco_path={shapes}", "train.max_steps=3", "data.num_workers=1", "--resume")
+    run(output, f"data.path={shapes}", "train.max_steps=3", "data.num_workers=1", "--resume")
     assert (
         "--resume: the config changes from global step 3 on: data.num_workers 2 -> 1 (not what is trained), "
         "train.max_steps 2 -> 3 (not what is trained)"
@@ -146,7 +146,7 @@ def test_a_changed_num_workers_passes_with_a_note_and_trains_the_same(shapes, ou
     assert yaml.safe_load((output / "config.yaml").read_text())["changes"] == [
         {"from_global_step": 3, "data.num_workers": [2, 1], "train.max_steps": [2, 3]}
     ]
-    run(tmp_path / "straight", f"data.coco_path={shapes}", "train.max_steps=3")
+    run(tmp_path / "straight", f"data.path={shapes}", "train.max_steps=3")
     got, want = weights(output / "checkpoint.safetensors"), weights(tmp_path / "straight" / "checkpoint.safetensors")
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
@@ -156,19 +156,35 @@ def test_the_data_path_spelled_another_way_passes_and_another_directory_refuses(
     shapes, output, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(shapes.parent)
-    run(output, f"data.coco_path={shapes.name}", "train.max_steps=3", "--resume")
-    assert f'data.coco_path "{shapes}" -> "{shapes.name}" (not what is trained)' in capsys.readouterr().out
-    around = f"{shapes}/../{shapes.name}"  # data.path, where set, is the place: the same one
-    run(output, f"data.path={around}", f"data.coco_path={shapes.name}", "train.max_steps=4", "--resume")
-    assert f'data.path "" -> "{around}" (not what is trained)' in capsys.readouterr().out
+    run(output, f"data.path={shapes.name}", "train.max_steps=3", "--resume")
+    assert f'data.path "{shapes}" -> "{shapes.name}" (not what is trained)' in capsys.readouterr().out
+    around = f"{shapes}/../{shapes.name}"  # the same place, spelled another way
+    run(output, f"data.path={around}", "train.max_steps=4", "--resume")
+    assert f'data.path "{shapes.name}" -> "{around}" (not what is trained)' in capsys.readouterr().out
 
     other = tmp_path / "copy"
     shutil.copytree(shapes, other)
-    line = refused_line(capsys, output, f"data.coco_path={other}", "train.max_steps=5", "--resume")
+    line = refused_line(capsys, output, f"data.path={other}", "train.max_steps=5", "--resume")
     assert line.startswith(
         f"error: --resume: the config differs from {output / 'checkpoint.safetensors'}'s in what is trained: "
-        f'data.path "{around}" -> "", data.coco_path "{shapes.name}" -> "{other}"; '
+        f'data.path "{around}" -> "{other}"; '
     ), line
+
+
+def test_a_config_with_the_old_key_is_read_with_a_note(tmp_path, capsys):
+    """data.coco_path, data.path's old name (in configs and checkpoints written before), is read as data.path."""
+    from deformable_detr.config import load_config
+
+    old = tmp_path / "old.yaml"
+    old.write_text("data:\n  coco_path: data/elsewhere\n")
+    assert load_config(old).data.path == "data/elsewhere"
+    assert load_config(None, ["data.coco_path=there"]).data.path == "there"
+    assert load_config(None, ["data.path=here", "data.coco_path=there"]).data.path == "there"  # the later wins
+    both = load_config(None, [], base={"data": {"path": "new", "coco_path": "old"}}, base_source="a checkpoint")
+    assert both.data.path == "new"
+    err = capsys.readouterr().err
+    assert f"{old}: data.coco_path is read as data.path (its name now)" in err
+    assert "a checkpoint: data.coco_path is read as data.path (its name now)" in err
 
 
 def test_allow_change_names_a_key_that_changed_and_goes_with_resume(shapes, output, capsys):
@@ -179,7 +195,7 @@ def test_allow_change_names_a_key_that_changed_and_goes_with_resume(shapes, outp
     with pytest.raises(UsageError, match=r"^--allow-change: only with --resume \(it names the keys"):
         train.parse_args(["--config", str(TINY), "--allow-change", "seed"])
     line = refused_line(
-        capsys, output, f"data.coco_path={shapes}", "seed=7", "--resume", "--allow-change", "seed,optimizer.lr"
+        capsys, output, f"data.path={shapes}", "seed=7", "--resume", "--allow-change", "seed,optimizer.lr"
     )
     checkpoint = output / "checkpoint.safetensors"
     assert line == f"error: --allow-change optimizer.lr: as in {checkpoint} (optimizer.lr 0.001): nothing to allow"

@@ -34,7 +34,7 @@ def shapes(tmp_path_factory):
 
 
 def run(shapes, output, *arguments):
-    train.main(["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={shapes}", *SETTINGS, *arguments])
+    train.main(["--config", str(TINY), "--output-dir", str(output), f"data.path={shapes}", *SETTINGS, *arguments])
 
 
 def contents(output) -> dict:

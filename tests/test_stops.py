@@ -38,7 +38,7 @@ def shapes(tmp_path_factory):
 
 def train_command(shapes, output, *overrides):
     command = [sys.executable, str(ROOT / "train.py"), "--config", str(TINY), "--output-dir", str(output)]
-    return command + [f"data.coco_path={shapes}", *SETTINGS, *overrides]
+    return command + [f"data.path={shapes}", *SETTINGS, *overrides]
 
 
 def run_train(*command_args, **kwargs):
@@ -70,7 +70,7 @@ def assert_one_clean_line(done, status):
 def test_an_unreadable_image_mid_epoch_saves_the_progress_and_names_the_way_on(shapes, tmp_path):
     root = tmp_path / "data"
     shutil.copytree(shapes, root)
-    cfg = load_config(TINY, [f"data.coco_path={root}"])
+    cfg = load_config(TINY, [f"data.path={root}"])
     dataset = build_dataset("train", cfg.data)
     batch = 5  # the batch of epoch 0 with the bad image: five steps come before it
     index = DataLoader(dataset, cfg.schedule.batch_size, seed=cfg.seed)._steps(0)[batch][0][0]
@@ -284,7 +284,7 @@ def annotations_with(shapes, tmp_path, change):
 def test_a_bad_annotation_stops_before_any_step_naming_file_annotation_and_value(shapes, tmp_path, key, value, said):
     root, path, annotation = annotations_with(shapes, tmp_path, lambda a: a.__setitem__(key, value))
     output = tmp_path / "run"
-    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={root}", "model.num_classes=auto"]
+    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.path={root}", "model.num_classes=auto"]
     with pytest.raises(SystemExit) as stopped:
         train.main(argv)
     assert str(stopped.value) == f"error: {path}: annotation id {annotation!r}: {said}"
@@ -315,7 +315,7 @@ def test_a_non_finite_loss_stops_naming_its_step_with_its_record_in_the_log(shap
     step's forward overflows (a real run going non-finite). Its record names that step and each term;
     the checkpoint of the first step stays as it was."""
     output = tmp_path / "run"
-    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={shapes}", *SETTINGS]
+    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.path={shapes}", *SETTINGS]
     with pytest.raises(SystemExit) as stopped:
         train.main([*argv, "optimizer.lr=1e30", "train.checkpoint_every=1", "train.max_steps=4"])
     checkpoint, log = output / "checkpoint.safetensors", output / "log.jsonl"

@@ -59,7 +59,7 @@ def records(output) -> list[dict]:
 
 
 def test_scalars_at_the_logged_steps_evaluations_and_pictures(shapes, tmp_path):
-    argv = ["--config", str(TINY), "--output-dir", str(tmp_path), f"data.coco_path={shapes}", "schedule.epochs=2"]
+    argv = ["--config", str(TINY), "--output-dir", str(tmp_path), f"data.path={shapes}", "schedule.epochs=2"]
     train.main([*argv, "train.tensorboard=true", "train.log_every=3"])
     events = shown(tmp_path)
     steps = [r for r in records(tmp_path) if "step" in r and "loss" in r]
@@ -106,7 +106,7 @@ def test_after_kill_9_a_resumed_run_shows_each_step_once(many_shapes, tmp_path):
 
     script = "import sys, train\ntrain.main(sys.argv[1:])\nassert 'torch' not in sys.modules, 'PyTorch imported'\n"
     command = [sys.executable, "-c", script, "--config", str(TINY), "--output-dir", str(output)]
-    command += [f"data.coco_path={many_shapes}", "train.eval_every=0", "model.dropout=0.0", *settings, "--resume"]
+    command += [f"data.path={many_shapes}", "train.eval_every=0", "model.dropout=0.0", *settings, "--resume"]
     done = subprocess.run(
         command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
@@ -121,7 +121,7 @@ def test_after_kill_9_a_resumed_run_shows_each_step_once(many_shapes, tmp_path):
 
 def test_without_the_package_one_line_before_anything_is_written(shapes, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard.summary.writer.event_file_writer", None)  # as if not installed
-    argv = ["--config", str(TINY), "--output-dir", str(tmp_path / "run"), f"data.coco_path={shapes}"]
+    argv = ["--config", str(TINY), "--output-dir", str(tmp_path / "run"), f"data.path={shapes}"]
     with pytest.raises(SystemExit) as stopped:
         train.main([*argv, "train.tensorboard=true"])
     assert str(stopped.value) == (

@@ -29,7 +29,7 @@ def shapes(tmp_path_factory):
 
 
 def run(shapes, output_dir, *overrides, resume=None, weights=None):
-    argv = ["--config", str(TINY), "--output-dir", str(output_dir), f"data.coco_path={shapes}", *overrides]
+    argv = ["--config", str(TINY), "--output-dir", str(output_dir), f"data.path={shapes}", *overrides]
     train.main(argv + (["--resume", str(resume)] if resume else []) + (["--weights", str(weights)] if weights else []))
     return output_dir / "checkpoint.safetensors"
 
@@ -134,7 +134,7 @@ def test_two_processes_and_two_micro_batches_equal_one_batch(shapes, tmp_path):
         str(TINY),
         "--output-dir",
         str(tmp_path / "double"),
-        f"data.coco_path={shapes}",
+        f"data.path={shapes}",
         *one_step,
         "schedule.micro_batch_size=2",
     ]
@@ -254,7 +254,7 @@ def test_the_quick_starts_config_trains_on_a_batch_of_2(shapes, tmp_path, capsys
     from deformable_detr.weights.files import read_weights
 
     argv = ["--config", str(ROOT / "configs" / "shapes.yaml"), "--output-dir", str(tmp_path)]
-    train.main([*argv, f"data.coco_path={shapes}", "schedule.batch_size=2", "train.max_steps=1", "train.eval_every=0"])
+    train.main([*argv, f"data.path={shapes}", "schedule.batch_size=2", "train.max_steps=1", "train.eval_every=0"])
     assert "2 images a step: 1 process(es) x 1 of 2" in capsys.readouterr().out
     saved = read_weights(tmp_path / "checkpoint.safetensors")
     assert saved.progress["global_step"] == 1 and saved.config["schedule"]["micro_batch_size"] == 2

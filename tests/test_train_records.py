@@ -48,7 +48,7 @@ def test_the_splits_and_each_skipped_image_are_logged_on_a_resumed_run_too(tmp_p
     root = generate(tmp_path / "shapes", 4, 2, seed=3, height=(64, 64), width=(64, 64), max_size=40)
     train_file = add_boxes_training_drops(root)
     val_file = json.loads((root / "annotations" / "instances_val2017.json").read_text())
-    overrides = [f"data.coco_path={root}", "data.skip_bad_images=true"]
+    overrides = [f"data.path={root}", "data.skip_bad_images=true"]
     cfg = load_config(TINY, overrides)
     dataset = build_dataset("train", cfg.data)
     second_step = DataLoader(dataset, cfg.schedule.batch_size, seed=cfg.seed)._steps(0)[1]

@@ -56,7 +56,7 @@ def test_the_writer_names_the_file_and_the_reason_and_keeps_the_previous_file(tm
 def test_a_failed_checkpoint_save_stops_the_run_naming_the_checkpoint_intact(shapes, tmp_path, monkeypatch):  # noqa: F811
     """Saves after every step; the second fails: the run stops in one line, the first stays."""
     monkeypatch.setattr(files.mx, "save_safetensors", failing_writes(after=1))
-    argv = ["--config", str(TINY), "--output-dir", str(tmp_path), f"data.coco_path={shapes}", "train.eval_every=0"]
+    argv = ["--config", str(TINY), "--output-dir", str(tmp_path), f"data.path={shapes}", "train.eval_every=0"]
     with pytest.raises(SystemExit) as stopped:
         train.main([*argv, "train.max_steps=3", "train.checkpoint_every=1"])
     checkpoint = tmp_path / "checkpoint.safetensors"
@@ -98,7 +98,7 @@ def test_a_full_tmpfs_stops_the_run_at_the_save_that_does_not_fit(shapes, tmp_pa
     why_not = can_mount_a_tmpfs()
     if why_not:
         pytest.skip(why_not)
-    settings = [f"data.coco_path={shapes}", "train.eval_every=0"]
+    settings = [f"data.path={shapes}", "train.eval_every=0"]
     train.main(["--config", str(TINY), "--output-dir", str(tmp_path / "sized"), *settings, "train.max_steps=1"])
     size = (tmp_path / "sized" / "checkpoint.safetensors").stat().st_size
     disk, run = tmp_path / "disk", tmp_path / "disk" / "run"
@@ -158,7 +158,7 @@ def immutable(path):
 
 def train_into(shapes, output):  # noqa: F811
     """train.main into `output` -> its one line."""
-    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.coco_path={shapes}", "train.eval_every=0"]
+    argv = ["--config", str(TINY), "--output-dir", str(output), f"data.path={shapes}", "train.eval_every=0"]
     with pytest.raises(SystemExit) as stopped:
         train.main([*argv, "train.max_steps=1"])
     return str(stopped.value)
@@ -209,7 +209,7 @@ def test_a_read_only_file_system_is_named_as_a_write_error(shapes, tmp_path):  #
     command = [sys.executable, str(ROOT / "train.py"), "--config", str(TINY), "--output-dir", str(output)]
     done = subprocess.run(
         ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o ro tmpfs {disk} || exit 99; exec "$@"', "sh", *command]
-        + [f"data.coco_path={shapes}", "train.eval_every=0", "train.max_steps=1"],
+        + [f"data.path={shapes}", "train.eval_every=0", "train.max_steps=1"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -16,7 +16,7 @@ only for this:
 
 `CocoDetection` (`coco.py`) reads any set in COCO's layout; `yolo.py`, `voc.py` and `createml.py` read
 YOLO's, Pascal VOC's and Create ML's into COCO's format in memory (`in_memory.py`); `register_dataset`
-adds another kind. Where a set is: `data.path` ('' : `data.coco_path`). The built-in readers check every
+adds another kind. Where a set is: `data.path`. The built-in readers check every
 annotation before anything trains (`strict`; `audit.check_split`, the check command's, lists every
 problem).
 """
@@ -71,8 +71,8 @@ def dataset_reads(name: str) -> str | None:
 
 
 def data_path(data_cfg) -> str:
-    """Where the set is: `data.path`, or where that is empty, `data.coco_path`."""
-    return getattr(data_cfg, "path", "") or data_cfg.coco_path
+    """Where the set is: `data.path`."""
+    return data_cfg.path
 
 
 @register_dataset("coco", reads="folder", takes_strict=True)

@@ -117,7 +117,7 @@ class CocoDetection:
         self.annotation_file = root / "annotations" / f"instances_{split}2017.json"
         for path in (self.image_dir, self.annotation_file):
             if not path.exists():
-                raise FileNotFoundError(f"COCO {split} split: {path} does not exist (data.coco_path is {root})")
+                raise FileNotFoundError(f"COCO {split} split: {path} does not exist (data.path is {root})")
         from pycocotools.coco import COCO
 
         data = read_json(self.annotation_file)  # not JSON: the file, line and column
