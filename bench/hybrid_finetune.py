@@ -13,12 +13,10 @@ checkpoint>; the recipe's run with the recipe's keys (hybrid_quickstart.RECIPE).
 import argparse
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, load_average  # noqa: E402
-from hybrid_quickstart import RECIPE, ROOT, train  # noqa: E402
+from hybrid_quickstart import RECIPE, ROOT, table, train  # noqa: E402
 
 TARGET = ROOT / "data" / "shapes_new"
 FINETUNE = [
@@ -44,18 +42,7 @@ def main():
     }
     curves = {name: train(f"finetune {name}", overrides, 6, args.runs_dir) for name, overrides in runs.items()}
     base, recipe = curves["quick start"], curves["recipe"]
-    lines = [
-        __doc__.split("\n\n")[0],
-        f"CPU: {cpu_model()}; load average before: {load_average()}; {time.strftime('%Y-%m-%d')}; one run each",
-        "",
-        f"{'epoch':>5} | {'quick start: s':>14} {'AP':>6} {'AP50':>6} {'AP75':>6} | {'recipe: s':>9} {'AP':>6} "
-        f"{'AP50':>6} {'AP75':>6}",
-    ]
-    for a, b in zip(base, recipe, strict=False):
-        lines.append(
-            f"{a['epoch']:>5} | {a['seconds']:>14.0f} {a['AP']:>6.3f} {a['AP50']:>6.3f} {a['AP75']:>6.3f} | "
-            f"{b['seconds']:>9.0f} {b['AP']:>6.3f} {b['AP50']:>6.3f} {b['AP75']:>6.3f}"
-        )
+    lines = table(__doc__.split("\n\n")[0], base, recipe)
     args.output.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -64,6 +64,23 @@ def train(name: str, overrides: list, epochs: int, out_dir: Path, reuse: bool = 
     return rows
 
 
+def table(title: str, base: list[dict], recipe: list[dict]) -> list[str]:
+    """The lines of a comparison: `title`, the CPU, then per epoch both runs' training seconds, AP, AP50, AP75."""
+    lines = [
+        title,
+        f"CPU: {cpu_model()}; load average before: {load_average()}; {time.strftime('%Y-%m-%d')}; one run each",
+        "",
+        f"{'epoch':>5} | {'quick start: s':>14} {'AP':>6} {'AP50':>6} {'AP75':>6} | {'recipe: s':>9} {'AP':>6} "
+        f"{'AP50':>6} {'AP75':>6}",
+    ]
+    for a, b in zip(base, recipe, strict=False):
+        lines.append(
+            f"{a['epoch']:>5} | {a['seconds']:>14.0f} {a['AP']:>6.3f} {a['AP50']:>6.3f} {a['AP75']:>6.3f} | "
+            f"{b['seconds']:>9.0f} {b['AP']:>6.3f} {b['AP50']:>6.3f} {b['AP75']:>6.3f}"
+        )
+    return lines
+
+
 def at_seconds(rows: list[dict], seconds: float) -> dict:
     """The last evaluation reached within `seconds` of training."""
     reached = [row for row in rows if row["seconds"] <= seconds * 1.001]
@@ -111,18 +128,7 @@ def main():
     curves = {name: train(name, o, epochs, args.runs_dir, args.reuse) for name, (o, epochs) in runs.items()}
     base, recipe, short_run = curves["quick start"], curves["recipe"], curves["recipe, the quick start's time"]
     long_run = curves["quick start, the recipe's time"]
-    lines = [
-        __doc__.split("\n\n")[0],
-        f"CPU: {cpu_model()}; load average before: {load_average()}; {time.strftime('%Y-%m-%d')}; one run each",
-        "",
-        f"{'epoch':>5} | {'quick start: s':>14} {'AP':>6} {'AP50':>6} {'AP75':>6} | {'recipe: s':>9} {'AP':>6} "
-        f"{'AP50':>6} {'AP75':>6}",
-    ]
-    for a, b in zip(base, recipe, strict=False):
-        lines.append(
-            f"{a['epoch']:>5} | {a['seconds']:>14.0f} {a['AP']:>6.3f} {a['AP50']:>6.3f} {a['AP75']:>6.3f} | "
-            f"{b['seconds']:>9.0f} {b['AP']:>6.3f} {b['AP50']:>6.3f} {b['AP75']:>6.3f}"
-        )
+    lines = table(__doc__.split("\n\n")[0], base, recipe)
     same_time = at_seconds(recipe, base[-1]["seconds"])
     lines += [
         "",

@@ -18,6 +18,21 @@ def manifest() -> dict:
     return json.loads((FIXTURE / "manifest.json").read_text())
 
 
+def assert_same_detections(detections: dict, ref: dict, image: int):
+    """Post-processed `detections` of `image` against the reference's post{image}.*: scores to 1e-4; each detection
+    found among the reference's of its score (to 1e-5: detections whose scores tie to float noise may come in
+    either order) with its label and box."""
+    scores, labels, boxes = (np.array(detections[k]) for k in ("scores", "labels", "boxes"))
+    want_scores, want_labels, want_boxes = (ref[f"post{image}.{k}"] for k in ("scores", "labels", "boxes"))
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-6)
+    for rank in range(len(scores)):
+        candidates = np.where(np.abs(want_scores - scores[rank]) <= 1e-5)[0]
+        assert any(
+            want_labels[c] == labels[rank] and np.allclose(want_boxes[c], boxes[rank], rtol=1e-4, atol=1e-2)
+            for c in candidates
+        ), f"image {image}, detection {rank}: no reference detection with its score, label and box"
+
+
 def recipe_value(key: str, shape, seed: int) -> np.ndarray:
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(key.encode())])))
     u = rng.random(size=tuple(shape))

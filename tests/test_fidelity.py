@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from reference_weights import VARIANTS, manifest, reference, state_dict
+from reference_weights import VARIANTS, assert_same_detections, manifest, reference, state_dict
 
 # About 1e-4 relative, as the fixture's README says for float32 on a CPU.
 OUTPUT_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -102,16 +102,7 @@ def test_outputs_match_the_authors(variant):
 def test_post_processed_detections_match_the_authors(variant):
     out, *_, ref = run(variant)
     for i, detections in enumerate(post_process(out, IMAGE_SIZES)):
-        scores, labels, boxes = (np.array(detections[k]) for k in ("scores", "labels", "boxes"))
-        want_scores, want_labels, want_boxes = (ref[f"post{i}.{k}"] for k in ("scores", "labels", "boxes"))
-        np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-6)
-        for rank in range(len(scores)):
-            # detections whose scores tie to float noise may come in either order
-            candidates = np.where(np.abs(want_scores - scores[rank]) <= 1e-5)[0]
-            assert any(
-                want_labels[c] == labels[rank] and np.allclose(want_boxes[c], boxes[rank], rtol=1e-4, atol=1e-2)
-                for c in candidates
-            ), f"image {i}, detection {rank}: no reference detection with its score, label and box"
+        assert_same_detections(detections, ref, i)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

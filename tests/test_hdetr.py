@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from reference_weights import recipe_value
+from reference_weights import assert_same_detections, recipe_value
 from safetensors.numpy import load_file
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hdetr"
@@ -169,15 +169,7 @@ def test_evaluation_drops_the_branch_as_theirs(variant):
     for key in ("pred_logits", "pred_boxes"):
         np.testing.assert_allclose(np.array(evaluated[key]), ref["eval." + key], **tolerance, err_msg=key)
     for i, detections in enumerate(post_process(evaluated, manifest()["sizes"])):
-        scores, labels, boxes = (np.array(detections[k]) for k in ("scores", "labels", "boxes"))
-        want_scores, want_labels, want_boxes = (ref[f"post{i}.{k}"] for k in ("scores", "labels", "boxes"))
-        np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-6)
-        for rank in range(len(scores)):  # detections whose scores tie to float noise may come in either order
-            candidates = np.where(np.abs(want_scores - scores[rank]) <= 1e-5)[0]
-            assert any(
-                want_labels[c] == labels[rank] and np.allclose(want_boxes[c], boxes[rank], rtol=1e-4, atol=1e-2)
-                for c in candidates
-            ), f"image {i}, detection {rank}: no reference detection with its score, label and box"
+        assert_same_detections(detections, ref, i)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
