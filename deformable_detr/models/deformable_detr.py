@@ -142,7 +142,7 @@ class DeformableDETR(nn.Module):
             if self.two_stage
             else None,
             refine_heads=self.bbox_embed if self.with_box_refine else None,
-            self_attn_mask=hybrid_attention_mask(self.num_queries, queries) if queries > self.num_queries else None,
+            query_groups=(self.num_queries, queries - self.num_queries) if queries > self.num_queries else None,
         )
 
         outputs = []
@@ -170,14 +170,6 @@ class DeformableDETR(nn.Module):
         if self.aux_loss:
             out["aux_outputs"] = layers[:-1]
         return out
-
-
-def hybrid_attention_mask(one2one: int, queries: int) -> mx.array:
-    """(queries, queries), added to the decoder's self-attention scores: 0 where a query may look, -inf
-    between the first `one2one` queries and the hybrid branch's, both ways (H-Deformable-DETR), so that
-    the one-to-one queries compute what they would without the branch."""
-    branch = mx.arange(queries) >= one2one
-    return mx.where(branch[:, None] != branch[None, :], -mx.inf, 0.0).astype(mx.float32)
 
 
 def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:

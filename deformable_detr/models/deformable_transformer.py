@@ -2,6 +2,7 @@
 box refinement. A port of the authors' `models/deformable_transformer.py`; tensors are batch-first
 and feature maps channels-last."""
 
+import itertools
 import math
 
 import kernels
@@ -34,9 +35,7 @@ class MultiheadAttention(nn.Module):
         self.out_proj = Linear(d_model, d_model)
         self.out_proj.bias = mx.zeros((d_model,))
 
-    def __call__(self, query, key, value, mask=None):
-        """`mask`: None, or (q_len, k_len) added to the scores: -inf where a query may not look (the
-        hybrid branch's, H-Deformable-DETR)."""
+    def __call__(self, query, key, value):
         b, q_len, d = query.shape
         w, bias = self.in_proj_weight, self.in_proj_bias
         q = kernels.linear(query, w[:d], bias[:d])
@@ -48,8 +47,7 @@ class MultiheadAttention(nn.Module):
             return widened(x).reshape(b, -1, self.n_heads, head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = heads(q), heads(k), heads(v)
-        scores = (q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2)
-        weights = kernels.softmax(scores if mask is None else scores + mask)
+        weights = kernels.softmax((q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2))
         out = (weights @ v).transpose(0, 2, 1, 3).reshape(b, q_len, d)
         return self.out_proj(to(out, query.dtype))
 
@@ -135,9 +133,18 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.norm2 = LayerNorm(d_model)
         with_feed_forward(self, d_model, d_ffn, dropout, "norm3")
 
-    def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask, self_attn_mask=None):
+    def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask, query_groups=None):
+        """`query_groups`: None, or the sizes of consecutive groups of queries that do not see each other in the
+        self-attention (H-Deformable-DETR's hybrid branch: one-to-one, one-to-many). Theirs masks the scores
+        between groups to -inf; attending within each group alone is the same, without the masked scores."""
         q = k = tgt + query_pos
-        tgt = self.norm2(tgt + self.dropout(self.self_attn(q, k, tgt, self_attn_mask)))
+        if query_groups is None:
+            attended = self.self_attn(q, k, tgt)
+        else:
+            bounds = list(itertools.accumulate(query_groups, initial=0))
+            groups = [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+            attended = mx.concatenate([self.self_attn(q[:, g], k[:, g], tgt[:, g]) for g in groups], axis=1)
+        tgt = self.norm2(tgt + self.dropout(attended))
         attended = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
         tgt = self.norm1(tgt + self.dropout(attended))
         return feed_forward(self, tgt, self.norm3)
@@ -160,7 +167,7 @@ class DeformableTransformerDecoder(LayerStack):
         query_pos,
         padding_mask,
         bbox_embed=None,
-        self_attn_mask=None,
+        query_groups=None,
     ):
         """Returns every layer's output (n_layers, B, Q, d) and reference points (n_layers, B, Q, 2|4).
         With `bbox_embed` (one head per layer) each layer refines the reference boxes it passes on; the
@@ -175,7 +182,7 @@ class DeformableTransformerDecoder(LayerStack):
             tgt = checkpointed(
                 [layer],
                 lambda tgt, pos, points, src, layer=layer: layer(
-                    tgt, pos, points, src, spatial_shapes, padding_mask, self_attn_mask
+                    tgt, pos, points, src, spatial_shapes, padding_mask, query_groups
                 ),
                 tgt,
                 query_pos,
@@ -290,14 +297,14 @@ class DeformableTransformer(nn.Module):
         num_queries=None,
         proposal_heads=None,
         refine_heads=None,
-        self_attn_mask=None,
+        query_groups=None,
     ):
         """srcs, pos_embeds: per level (B, h, w, d); masks: per level (B, h, w). A single stage needs
         `query_embed` (Q, 2d), the queries' positions and contents. Two-stage needs `num_queries` Q and
         `proposal_heads`, the (class, box) heads that score the encoder's proposals: the top Q become the
         queries, their contents `query_embed` (Q, d) with mixed selection. `refine_heads`, one box
-        head per decoder layer, turns on box refinement; `self_attn_mask` (Q, Q), added to the
-        decoder's self-attention scores, keeps the hybrid branch's queries apart.
+        head per decoder layer, turns on box refinement; `query_groups` (sizes summing to Q)
+        keeps the hybrid branch's queries apart in the decoder's self-attention.
 
         Returns decoder outputs (n_layers, B, Q, d), initial reference points (B, Q, 2|4), every
         layer's reference points, and for two-stage the encoder's class logits and box logits."""
@@ -345,6 +352,6 @@ class DeformableTransformer(nn.Module):
             query_pos,
             mask_flatten,
             refine_heads,
-            self_attn_mask,
+            query_groups,
         )
         return hs, reference_points, references, enc_class, enc_coord
