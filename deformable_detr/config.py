@@ -57,8 +57,8 @@ class ModelConfig:
     # box refinement: each layer's boxes predicted from the refined boxes of the layer before, the gradient
     # reaching through them (the same outputs at inference; the weights do not show it)
     look_forward_twice: bool = False
-    # the hybrid branch: this many more queries, trained one-to-many (loss.k_one2many) and kept from the
-    # num_queries one-to-one queries by the decoder's self-attention mask; in training only (0: none)
+    # the hybrid branch: this many more queries, trained one-to-many (loss.k_one2many) and kept apart from the
+    # num_queries one-to-one queries in the decoder's self-attention; in training only (0: none)
     num_queries_one2many: int = field(default=0, metadata={"range": (0, 1 << 20)})
 
 

@@ -67,7 +67,7 @@ class DeformableDETR(nn.Module):
         if m.look_forward_twice and not m.with_box_refine:
             raise ValueError("model.look_forward_twice needs model.with_box_refine: it looks at the refined boxes")
         self.num_queries, self.num_feature_levels = num_queries, m.num_feature_levels
-        self.num_queries_one2many, self.mixed_selection = m.num_queries_one2many, m.mixed_selection
+        self.num_queries_one2many = m.num_queries_one2many
         self.aux_loss, self.with_box_refine, self.two_stage = m.aux_loss, m.with_box_refine, two_stage
         self.backbone = [backbone]  # the authors' Joiner: backbone.0 is the ResNet, backbone.1 the encoding
         self.position_embedding = PositionEmbeddingSine(hidden_dim // 2)

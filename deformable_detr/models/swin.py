@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..errors import ConversionError
 from .backbone import Conv2d, resize_mask
 from .gelu import gelu
 from .linear import Linear
@@ -74,6 +75,37 @@ def architecture(name) -> SwinArchitecture:
     if name not in SWIN_ARCHITECTURES:
         raise ValueError(f"unknown Swin backbone {name!r}; expected one of {', '.join(SWIN_ARCHITECTURES)}")
     return SWIN_ARCHITECTURES[name]
+
+
+def architecture_name(arch: SwinArchitecture) -> str | None:
+    """The SWIN_ARCHITECTURES name of `arch`'s shapes (embed dim, blocks, heads, window), or None."""
+    named = [name for name, known in SWIN_ARCHITECTURES.items() if known[:4] == arch[:4]]
+    return named[0] if named else None
+
+
+def describe(arch: SwinArchitecture) -> str:
+    name = architecture_name(arch)
+    shape = (
+        f"embed {arch.embed_dim}, depths {'-'.join(map(str, arch.depths))}, "
+        f"heads {'-'.join(map(str, arch.num_heads))}, window {arch.window_size}"
+    )
+    return f"{name} ({shape})" if name else f"a Swin of no known name ({shape})"
+
+
+def detect_architecture(state: dict, source: str = "checkpoint") -> SwinArchitecture:
+    """The architecture that a state's shapes show (either layout; buffers and classifier ignored)."""
+    if "patch_embed.proj.weight" not in state:
+        raise ConversionError(f"{source}: not a Swin state: no patch_embed.proj.weight")
+    depths, heads, windows = [], [], []
+    while (table := state.get(f"layers.{len(depths)}.blocks.0.attn.relative_position_bias_table")) is not None:
+        blocks = {k.split(".")[3] for k in state if k.startswith(f"layers.{len(depths)}.blocks.")}
+        depths.append(len(blocks))
+        heads.append(int(table.shape[1]))
+        windows.append((round(np.sqrt(table.shape[0])) + 1) // 2)
+    if not depths:
+        raise ConversionError(f"{source}: not a Swin state: no layers.0.blocks.0.attn.relative_position_bias_table")
+    embed = int(state["patch_embed.proj.weight"].shape[0])
+    return SwinArchitecture(embed, tuple(depths), tuple(heads), windows[0])
 
 
 @cache

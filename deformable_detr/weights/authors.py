@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ConversionError, optional
 from ..models.swin import BUFFERS as SWIN_BUFFERS
-from ..models.swin import SWIN_ARCHITECTURES, relative_position_index
+from ..models.swin import architecture_name, detect_architecture, relative_position_index
 from .files import open_safetensors
 
 # ModelConfig fields -> the authors' argparse names, for the args they read to build the model.
@@ -140,16 +140,8 @@ def swin_backbone(state: dict) -> str | None:
     body = "backbone.0.body."
     if body + "patch_embed.proj.weight" not in state:
         return None
-    tables, embed = [], state[body + "patch_embed.proj.weight"].shape[0]
-    while (table := state.get(f"{body}layers.{len(tables)}.blocks.0.attn.relative_position_bias_table")) is not None:
-        tables.append(table.shape)
-    depths = tuple(
-        len({k.split(".")[6] for k in state if k.startswith(f"{body}layers.{i}.blocks.")}) for i in range(len(tables))
-    )
-    window = (round(np.sqrt(tables[0][0])) + 1) // 2 if tables else 0
-    found = (embed, depths, tuple(shape[1] for shape in tables), window)
-    named = [name for name, arch in SWIN_ARCHITECTURES.items() if tuple(arch[:4]) == found]
-    return named[0] if named else "unknown"
+    arch = detect_architecture({k.removeprefix(body): v for k, v in state.items() if k.startswith(body)})
+    return architecture_name(arch) or "unknown"
 
 
 _ARG_NAMES = {  # the authors' args and Hugging Face config.json names -> ModelConfig fields

@@ -13,7 +13,7 @@ from ..data.coco import COCO_CATEGORY_NAMES
 from ..errors import ConversionError, optional
 from ..models import build_model
 from ..models.backbone import Backbone
-from ..models.swin import SWIN_ARCHITECTURES
+from ..models.swin import architecture_name, describe, detect_architecture
 from . import huggingface
 from .authors import (
     authors_args,
@@ -27,6 +27,7 @@ from .authors import (
     torchvision_resnet_to_backbone,
 )
 from .files import CONFIG_FILE_KEY, MODEL_OPTIONS_KEY, atomic_write, save_weights, write_safetensors
+from .swin import swin_imagenet_to_body
 
 
 def convert(src: Path, backbone_only: bool = False, dilation: bool = False, source=None) -> tuple[dict, dict, str]:
@@ -38,11 +39,9 @@ def convert(src: Path, backbone_only: bool = False, dilation: bool = False, sour
     state, ckpt_args = read_checkpoint(src)
     source = str(source or src)
     if backbone_only and "patch_embed.proj.weight" in {k.removeprefix("module.") for k in state}:
-        from .swin import describe, detect_architecture, swin_imagenet_to_body
-
         arch = detect_architecture({k.removeprefix("module."): v for k, v in state.items()}, source)
-        name = describe(arch).split(" ")[0]
-        if name not in SWIN_ARCHITECTURES:
+        name = architecture_name(arch)
+        if name is None:
             raise ConversionError(f"{source}: holds {describe(arch)}: no backbone of this project has its shape")
         body = {f"backbone.0.body.{k}": v for k, v in swin_imagenet_to_body(state, name, source).items()}
         return body, {"backbone": name}, f"backbone: {name} (ImageNet weights: {describe(arch)})"

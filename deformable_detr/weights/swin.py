@@ -27,9 +27,9 @@ from ..models.swin import (
     MLP_RATIO,
     OUT_INDICES,
     PATCH_SIZE,
-    SWIN_ARCHITECTURES,
-    SwinArchitecture,
     architecture,
+    describe,
+    detect_architecture,
 )
 from .authors import read_checkpoint
 
@@ -77,31 +77,6 @@ def expected_shapes(name) -> dict:
     for i in OUT_INDICES:
         shapes[f"norm{i}.weight"] = shapes[f"norm{i}.bias"] = (embed * 2**i,)
     return shapes
-
-
-def describe(arch: SwinArchitecture) -> str:
-    named = [name for name, known in SWIN_ARCHITECTURES.items() if known[:4] == arch[:4]]
-    shape = (
-        f"embed {arch.embed_dim}, depths {'-'.join(map(str, arch.depths))}, "
-        f"heads {'-'.join(map(str, arch.num_heads))}, window {arch.window_size}"
-    )
-    return f"{named[0]} ({shape})" if named else f"a Swin of no known name ({shape})"
-
-
-def detect_architecture(state: dict, source: str = "checkpoint") -> SwinArchitecture:
-    """The architecture that a state's shapes show (either layout; buffers and classifier ignored)."""
-    if "patch_embed.proj.weight" not in state:
-        raise ConversionError(f"{source}: not a Swin state: no patch_embed.proj.weight")
-    depths, heads, windows = [], [], []
-    while (table := state.get(f"layers.{len(depths)}.blocks.0.attn.relative_position_bias_table")) is not None:
-        blocks = {k.split(".")[3] for k in state if k.startswith(f"layers.{len(depths)}.blocks.")}
-        depths.append(len(blocks))
-        heads.append(int(table.shape[1]))
-        windows.append((round(np.sqrt(table.shape[0])) + 1) // 2)
-    if not depths:
-        raise ConversionError(f"{source}: not a Swin state: no layers.0.blocks.0.attn.relative_position_bias_table")
-    embed = int(state["patch_embed.proj.weight"].shape[0])
-    return SwinArchitecture(embed, tuple(depths), tuple(heads), windows[0])
 
 
 def _timm_layout(state: dict) -> bool:
