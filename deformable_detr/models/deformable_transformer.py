@@ -288,6 +288,30 @@ class DeformableTransformer(nn.Module):
         embedded = sine_embedding(mx.sigmoid(proposals) * scale, self.d_model // 2, temperature)
         return embedded.reshape(*proposals.shape[:2], -1)
 
+    def two_stage_queries(self, memory, mask_flatten, spatial_shapes, proposal_heads, num_queries, query_embed):
+        """The encoder's proposals scored by `proposal_heads`, the top `num_queries` made the decoder's queries
+        (contents `query_embed` with mixed selection) -> (tgt, query_pos, reference points (B, Q, 4), the
+        proposals' class logits, their box logits)."""
+        b = memory.shape[0]
+        if num_queries > memory.shape[1]:
+            raise ValueError(
+                f"two-stage takes its {num_queries} queries from the encoder's proposals, one per feature-map pixel: "
+                f"{memory.shape[1]} at {spatial_shapes[0][0] * 8} x {spatial_shapes[0][1] * 8} px; the images must be "
+                "larger"
+            )
+        output_memory, proposals = self.encoder_proposals(memory, mask_flatten, spatial_shapes)
+        class_head, box_head = proposal_heads
+        enc_class = class_head(output_memory)
+        enc_coord = box_head(output_memory) + proposals
+        top = self.top_proposals(enc_class[..., 0], num_queries)
+        top_coords = mx.stop_gradient(mx.take_along_axis(enc_coord, top[..., None], axis=1))
+        reference_points = mx.sigmoid(top_coords)
+        embedded = to(self.proposal_pos_embed(top_coords), memory.dtype)
+        query_pos, tgt = mx.split(self.pos_trans_norm(self.pos_trans(embedded)), 2, -1)
+        if self.mixed_selection:  # the proposals give the positions only
+            tgt = mx.broadcast_to(query_embed[None], (b, *query_embed.shape)).astype(tgt.dtype)
+        return tgt, query_pos, reference_points, enc_class, enc_coord
+
     def __call__(
         self,
         srcs,
@@ -319,25 +343,13 @@ class DeformableTransformer(nn.Module):
 
         memory = self.encoder(src_flatten, spatial_shapes, valid_ratios, pos_flatten, mask_flatten)
 
-        enc_class = enc_coord = None
-        if self.two_stage and num_queries > memory.shape[1]:
-            raise ValueError(
-                f"two-stage takes its {num_queries} queries from the encoder's proposals, one per feature-map pixel: "
-                f"{memory.shape[1]} at {srcs[0].shape[1] * 8} x {srcs[0].shape[2] * 8} px; the images must be larger"
-            )
         if self.two_stage:
-            output_memory, proposals = self.encoder_proposals(memory, mask_flatten, spatial_shapes)
-            class_head, box_head = proposal_heads
-            enc_class = class_head(output_memory)
-            enc_coord = box_head(output_memory) + proposals
-            top = self.top_proposals(enc_class[..., 0], num_queries)
-            top_coords = mx.stop_gradient(mx.take_along_axis(enc_coord, top[..., None], axis=1))
-            reference_points = mx.sigmoid(top_coords)
-            embedded = to(self.proposal_pos_embed(top_coords), memory.dtype)
-            query_pos, tgt = mx.split(self.pos_trans_norm(self.pos_trans(embedded)), 2, -1)
-            if self.mixed_selection:  # the proposals give the positions only
-                tgt = mx.broadcast_to(query_embed[None], (b, *query_embed.shape)).astype(tgt.dtype)
+            queries = self.two_stage_queries(
+                memory, mask_flatten, spatial_shapes, proposal_heads, num_queries, query_embed
+            )
+            tgt, query_pos, reference_points, enc_class, enc_coord = queries
         else:
+            enc_class = enc_coord = None
             query_pos, tgt = mx.split(query_embed, 2, -1)
             query_pos = mx.broadcast_to(query_pos[None], (b, *query_pos.shape))
             tgt = mx.broadcast_to(tgt[None], (b, *tgt.shape))
