@@ -85,7 +85,7 @@ def as_found(result) -> dict:
 
 
 def size_argument(text: str) -> tuple[int, int]:
-    return slicing.parse_slice(text, "--slice")
+    return slicing.parse_slice(text, None, ("--slice", "--overlap"))[0]
 
 
 @entry_point

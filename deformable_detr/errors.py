@@ -35,6 +35,15 @@ TRACEBACK_VARIABLE = "DEFORMABLE_DETR_TRACEBACK"
 PACKAGE_DIR = Path(__file__).resolve().parent  # deformable_detr/: a checkout's pyproject.toml is beside it
 
 
+DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # a decimal as typed: ASCII digits, no sign, exponent, inf, nan
+QUOTED_CHARACTERS = 40  # what a message quotes of a value a user or a client sent, at most
+
+
+def quoted(text: str) -> str:
+    """`text` as a message quotes a user's or a client's input: repr of its first QUOTED_CHARACTERS, '…' where cut."""
+    return repr(text) if len(text) <= QUOTED_CHARACTERS else repr(text[:QUOTED_CHARACTERS]) + "…"
+
+
 class CommandError(Exception):
     """A stop whose message is for the user, with the command's exit status."""
 

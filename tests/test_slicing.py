@@ -62,31 +62,18 @@ def canvas():
     return whole, parts
 
 
-def starts(image: int, size: int, overlap: float) -> list[int]:
-    """Where slices start on one axis, as slicing.py's docstring says: every size - floor(overlap x size)
-    pixels, the last moved back to end at the image's edge; with no overlap, the last cut short there
-    instead; an image within one slice is one slice from 0."""
-    if image <= size:
-        return [0]
-    stride = size - int(size * overlap)
-    if stride == size:
-        return list(range(0, image, stride))
-    found = list(range(0, image - size, stride))
-    return found + [image - size]
-
-
 def union(detector, image: Image.Image, size: tuple, overlap: float, threshold: float) -> dict:
-    """Each slice's crop predicted alone (batch 1, no slicing), boxes clipped to the crop and moved by its
-    offset, in the slices' order (rows, then columns), best first (a stable sort)."""
+    """Each slice's crop (slicing.slice_boxes: supervision's layout, test_slice_boxes_are_supervisions)
+    predicted alone (batch 1, no slicing), boxes clipped to the crop and moved by its offset, in the
+    slices' order (rows, then columns), best first (a stable sort)."""
     found = {"boxes": [], "scores": [], "labels": [], "queries": []}
-    for top in starts(image.height, size[1], overlap):
-        for left in starts(image.width, size[0], overlap):
-            crop = image.crop((left, top, min(left + size[0], image.width), min(top + size[1], image.height)))
-            [alone] = detector.predict(crop, threshold=threshold)
-            limits = [crop.width, crop.height] * 2
-            found["boxes"].append(np.clip(alone.boxes, 0, limits) + np.float32([left, top, left, top]))
-            for key in ("scores", "labels", "queries"):
-                found[key].append(getattr(alone, key))
+    for left, top, right, bottom in slicing.slice_boxes(image.size, size, overlap):
+        crop = image.crop((left, top, right, bottom))
+        [alone] = detector.predict(crop, threshold=threshold)
+        limits = [crop.width, crop.height] * 2
+        found["boxes"].append(np.clip(alone.boxes, 0, limits) + np.float32([left, top, left, top]))
+        for key in ("scores", "labels", "queries"):
+            found[key].append(getattr(alone, key))
     return best_first([{key: parts[i] for key, parts in found.items()} for i in range(len(found["scores"]))])
 
 
@@ -226,10 +213,11 @@ def test_bad_values_are_errors_naming_them(detector, canvas, size, overlap, word
     "options, words",
     [
         (["--slice", "0,64"], "--slice 0,64: expected W,H"),
-        (["--slice", "64"], "--slice 64: expected W,H"),
-        (["--slice", "64,x"], "--slice 64,x: expected W,H"),
+        (["--slice", "64"], "--slice '64': expected W,H"),
+        (["--slice", "64,x"], "--slice '64,x': expected W,H"),
         (["--slice", "64,64", "--overlap", "1"], "--overlap 1.0: expected a fraction"),
-        (["--overlap", "0.3"], "--overlap 0.3: the overlap of slices, with --slice W,H"),
+        (["--slice", "64,64", "--overlap", "2e-1"], "--overlap '2e-1': expected a decimal"),
+        (["--overlap", "0.3"], "--overlap '0.3': the overlap of slices, with --slice W,H"),
         (["--slice", "64,64", "--attention"], "--attention and --encoder-pixel show one forward"),
     ],
 )
@@ -283,7 +271,7 @@ def test_the_servers_slice_and_overlap(tiny, detector, canvas, tmp_path):  # noq
             "slice words": ({"slice": "big"}, "slice 'big'"),
             "overlap 1": ({"slice": "64,64", "overlap": "1"}, "overlap 1.0: expected a fraction"),
             "overlap negative": ({"slice": "64,64", "overlap": "-0.1"}, "overlap '-0.1'"),
-            "overlap alone": ({"overlap": "0.2"}, "overlap '0.2': the overlap of slices, with slice=W,H"),
+            "overlap alone": ({"overlap": "0.2"}, "overlap '0.2': the overlap of slices, with slice W,H"),
             "with attention": ({"slice": "64,64", "attention": "1"}, "slice: attention"),
             # a slice a pixel wide: tens of thousands of forwards, refused from the header before any work
             "too many slices": ({"slice": "1,1"}, f"slice 1,1 overlap 0.2: {whole.width * whole.height:,} slices"),
@@ -300,19 +288,44 @@ def test_the_servers_slice_and_overlap(tiny, detector, canvas, tmp_path):  # noq
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.2, 0.5, 0.99])
-def test_slice_count_is_supervisions_layout_counted(overlap):
-    """What the server bounds before any work: the slices supervision's InferenceSlicer lays out (its
-    own `_generate_offset`) and this file's `starts`, for images smaller, equal and larger than a slice."""
+def test_slice_boxes_are_supervisions(overlap):
+    """Where the slices go (what the server bounds before any work, and this file's `union`): slice_boxes
+    are supervision's InferenceSlicer's own layout (its `_generate_offset`), slice_count their number,
+    for images smaller, equal and larger than a slice."""
     sv = pytest.importorskip("supervision", reason="supervision (the slice extra) is not installed")
     for image in [(1, 1), (63, 64), (64, 64), (65, 200), (300, 129), (3000, 2000)]:
         for size in [(1, 1), (64, 64), (100, 37)]:
             if size == (1, 1) and image[0] * image[1] > 10_000:
                 continue  # supervision's meshgrid of 6 million slices: the count alone is the point
-            overlap_px = slicing.overlap_pixels(size, overlap)
-            laid_out = sv.InferenceSlicer._generate_offset(image, size, overlap_px)
-            counted = len(starts(image[0], size[0], overlap)) * len(starts(image[1], size[1], overlap))
-            assert slicing.slice_count(image, size, overlap) == len(laid_out) == counted, (image, size)
+            laid_out = sv.InferenceSlicer._generate_offset(image, size, slicing.overlap_pixels(size, overlap))
+            np.testing.assert_array_equal(np.int64(slicing.slice_boxes(image, size, overlap)), laid_out)
+            assert slicing.slice_count(image, size, overlap) == len(laid_out), (image, size)
     assert slicing.slice_count((3000, 2000), (1, 1), 0.0) == 6_000_000
+
+
+@pytest.mark.parametrize("names", [("--slice", "--overlap"), ("slice", "overlap")], ids=["command", "server"])
+def test_one_parser_for_the_command_and_the_server(names):
+    """slicing.parse_slice reads both (predict's --slice / --overlap, the server's slice / overlap): the
+    values, and each refusal naming the caller's name."""
+    size, overlap = names
+    assert slicing.parse_slice("256,128", ".25", names) == ((256, 128), 0.25)
+    assert slicing.parse_slice("64,64", None, names) == ((64, 64), slicing.OVERLAP)
+    assert slicing.parse_slice(None, None, names) is None
+    refused = {
+        ("64", None): f"{size} '64': expected W,H",
+        ("64,²", None): f"{size} '64,²': expected W,H",
+        ("64,64,64", None): f"{size} '64,64,64': expected W,H",
+        ("0,64", None): f"{size} 0,64: expected W,H",
+        ("64,64", "1"): f"{overlap} 1.0: expected a fraction",
+        ("64,64", "nan"): f"{overlap} 'nan': expected a decimal",
+        ("64,64", "-0.1"): f"{overlap} '-0.1': expected a decimal",
+        (None, "0.2"): f"{overlap} '0.2': the overlap of slices, with {size} W,H",
+        ("9" * 50, None): f"{size} '{'9' * 40}'…: expected W,H",
+    }
+    for (text, fraction), words in refused.items():
+        with pytest.raises(UsageError) as failed:
+            slicing.parse_slice(text, fraction, names)
+        assert str(failed.value).startswith(words), (text, fraction)
 
 
 def test_the_small_shapes_tiles_are_the_canvas_cut_with_its_boxes_clipped():

@@ -31,14 +31,17 @@ on a side is cut to the image on that side: an image within one slice is one for
 the detections those of `predict` without slicing, clipped to the image. Each `Detections.queries`
 entry is the decoder query of the slice's forward that found it."""
 
+import re
+
 import numpy as np
 from PIL import Image
 
-from ..errors import UsageError, optional
+from ..errors import DECIMAL, UsageError, optional, quoted
 
 OVERLAP = 0.2  # of the slice's width and height
 # supervision's overlap filter, its metric, the IoU above which a lower-scoring box goes, class-agnostic or not
 MERGE = {"filter": "non_max_suppression", "metric": "iou", "iou": 0.5, "class_agnostic": False}
+SIZE_TEXT = re.compile(r"[0-9]{1,6},[0-9]{1,6}")  # W,H: ASCII digits alone (str.isdigit takes '²')
 
 
 def supervision():
@@ -66,12 +69,25 @@ def check_slice(
     return (width, height), float(overlap)
 
 
-def parse_slice(text: str, name: str = "--slice") -> tuple[int, int]:
-    """ "W,H" -> (W, H), checked as check_slice does (the message names `name`)."""
-    parts = text.split(",")
-    if len(parts) != 2 or not all(part.strip().isascii() and part.strip().isdigit() for part in parts):
-        raise UsageError(f"{name} {text}: expected W,H, two whole numbers of pixels of at least 1, such as 256,256")
-    return check_slice(tuple(int(part) for part in parts), 0.0, name)[0]
+def parse_slice(size: str | None, overlap: str | None, names=("slice", "overlap")) -> tuple | None:
+    """The slice parameters as a command line or a query string gives them, text: `size` "W,H" (ASCII
+    digits), `overlap` a decimal ("0.2", ".2"; None: OVERLAP) -> check_slice's ((W, H), overlap), or
+    None where no slice is asked. A UsageError naming `names` (the command's --slice / --overlap, the
+    server's keys) for a malformed value or an overlap without a slice; a MissingExtra where
+    supervision (the `slice` extra) is not installed: both before any work. The one parser of both."""
+    size_name, overlap_name = names
+    if size is None:
+        if overlap is not None:
+            raise UsageError(f"{overlap_name} {quoted(overlap)}: the overlap of slices, with {size_name} W,H")
+        return None
+    if not SIZE_TEXT.fullmatch(size):
+        raise UsageError(f"{size_name} {quoted(size)}: expected W,H, two whole numbers of pixels, such as 256,256")
+    if overlap is not None and not DECIMAL.fullmatch(overlap):
+        raise UsageError(f"{overlap_name} {quoted(overlap)}: expected a decimal from 0 up to (not including) 1: 0.2")
+    width, height = (int(v) for v in size.split(","))
+    checked = check_slice((width, height), OVERLAP if overlap is None else float(overlap), size_name, overlap_name)
+    supervision()
+    return checked
 
 
 def overlap_pixels(size: tuple[int, int], overlap: float) -> tuple[int, int]:
@@ -79,21 +95,33 @@ def overlap_pixels(size: tuple[int, int], overlap: float) -> tuple[int, int]:
     return int(size[0] * overlap), int(size[1] * overlap)
 
 
-def slice_count(image_size: tuple[int, int], size: tuple[int, int], overlap: float) -> int:
-    """How many slices `sliced_detect` runs on an image of `image_size` (W, H): supervision's layout (a
-    start every size - overlap pixels, the last moved back to end at the edge; with no overlap, cut short
-    there), counted without making it, so that a server can refuse a request before any work."""
+def _axis(length: int, side: int, overlap_px: int) -> tuple[range, list[int]]:
+    """Where slices start on one axis, as supervision's InferenceSlicer lays them out: a start every
+    side - overlap_px pixels (a range), then one more, moved back to end at the image's edge; with no
+    overlap, none more (the range's last slice is cut short at the edge instead); an image within one
+    slice: one slice from 0."""
+    if length <= side:
+        return range(1), []
+    stride = side - overlap_px
+    if stride == side:
+        return range(0, length, stride), []
+    return range(0, length - side, stride), [length - side]
 
-    def starts(length: int, side: int, overlap_px: int) -> int:
-        if length <= side:
-            return 1
-        stride = side - overlap_px
-        if stride == side:
-            return -(-length // side)
-        return -(-(length - side) // stride) + 1
 
+def slice_boxes(image_size: tuple[int, int], size: tuple[int, int], overlap: float) -> list[tuple[int, int, int, int]]:
+    """The slices `sliced_detect` runs on an image of `image_size` (W, H): (left, top, right, bottom)
+    in pixels, row by row, each cut to the image (supervision's layout: `_axis`)."""
     (width, height), (overlap_w, overlap_h) = image_size, overlap_pixels(size, overlap)
-    return starts(width, size[0], overlap_w) * starts(height, size[1], overlap_h)
+    lefts, tops = ([*a, *b] for a, b in (_axis(width, size[0], overlap_w), _axis(height, size[1], overlap_h)))
+    return [(x, y, min(x + size[0], width), min(y + size[1], height)) for y in tops for x in lefts]
+
+
+def slice_count(image_size: tuple[int, int], size: tuple[int, int], overlap: float) -> int:
+    """len(slice_boxes(...)), counted without making them, so that a server can refuse a request before any
+    work (a 1 x 1 slice of a 3000 x 2000 image: 6 million)."""
+    (width, height), (overlap_w, overlap_h) = image_size, overlap_pixels(size, overlap)
+    across, down = (len(a) + len(b) for a, b in (_axis(width, size[0], overlap_w), _axis(height, size[1], overlap_h)))
+    return across * down
 
 
 def sliced_detect(

@@ -48,20 +48,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
-from ..errors import CommandError
-from ..inference.slicing import OVERLAP, check_slice, slice_count, supervision
+from ..errors import DECIMAL, CommandError, quoted
+from ..inference.slicing import parse_slice, slice_count
 from ..inference.visualize import LEVEL_COLOURS
 from ..weights.hub import is_hub
 from .batcher import Batcher, Closed, QueueFull
-from .uploads import ClientError, OverBudget, PixelBudget, decode, decoding_cost, quoted, read_header
+from .uploads import ClientError, OverBudget, PixelBudget, decode, decoding_cost, read_header
 
 PAGE = Path(__file__).parent / "static" / "index.html"
 RETRY_AFTER_S = 1  # what a 503 for a full queue or a taken pixel budget asks the client to wait
-DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # ASCII digits alone (str.isdigit takes '²')
 LAYER = re.compile(r"-?[0-9]{1,6}")
 DIGITS = re.compile(r"[0-9]+")
 TRUE, FALSE = ("1", "true"), ("0", "false")
-SLICE = re.compile(r"[0-9]{1,6},[0-9]{1,6}")
 QUERY_KEYS = ("threshold", "attention", "attention_layer", "slice", "overlap")
 SLICED = "slice"  # the first item of a sliced image's batch key: it runs alone, with its slices as the batches
 
@@ -201,10 +199,12 @@ class DetectionService:
         detections are those `predict` keeps at that threshold (the same ones, best first). A sliced image's key
         (SLICED, size, overlap, threshold) runs it with its threshold (the merge takes the kept detections), its
         slices max_batch a forward."""
-        if key[0] == SLICED:
+        if key[0] == SLICED:  # checked once, by slice_options: predict_batches takes them as they are
             _, size, overlap, threshold = key
-            batch = self.batcher.max_batch
-            return self.detector.predict(images, threshold=threshold, batch_size=batch, slice=size, overlap=overlap)
+            batches = self.detector.predict_batches(  # images, not files: nothing unreadable (None)
+                images, None, threshold, self.batcher.max_batch, sliced=(size, overlap)
+            )
+            return [detections for batch in batches for _, _, detections in batch]
         _, layer = key
         attention = layer is not None
         return self.detector.predict(
@@ -366,25 +366,16 @@ def detect_options(query, decoder_layers: int) -> tuple[float, int | None]:
 
 
 def slice_options(query, layer) -> tuple | None:
-    """-> ((width, height), overlap) of the slices asked, or None: 400 naming slice or overlap where either is
-    malformed, overlap without slice, or slice with attention (`layer`); 501 where supervision is missing."""
-    size, overlap = query.get("slice"), query.get("overlap")
-    if size is None:
-        if overlap is not None:
-            raise ClientError(400, f"overlap {quoted(overlap)}: the overlap of slices, with slice=W,H")
-        return None
-    if not SLICE.fullmatch(size):
-        raise ClientError(400, f"slice {quoted(size)}: expected W,H, two whole numbers of pixels, such as 256,256")
-    if overlap is not None and not DECIMAL.fullmatch(overlap):
-        raise ClientError(400, f"overlap {quoted(overlap)}: expected a decimal from 0 up to (not including) 1: 0.2")
-    if layer is not None:
-        raise ClientError(400, "slice: attention shows one forward of a whole image; not with slice")
+    """-> ((width, height), overlap) of the slices asked, or None (slicing.parse_slice, the command's
+    parser): 400 naming slice or overlap where either is malformed, overlap without slice, or slice with
+    attention (`layer`); 501 where supervision is missing."""
     try:
-        checked = check_slice(tuple(int(v) for v in size.split(",")), OVERLAP if overlap is None else float(overlap))
-        supervision()
-    except CommandError as failure:  # UsageError (400): a value out of range; else a missing extra (501)
+        sliced = parse_slice(query.get("slice"), query.get("overlap"))
+    except CommandError as failure:  # UsageError (400): what the client sent; else a missing extra (501)
         raise ClientError(400 if failure.status == 2 else 501, str(failure)) from None
-    return checked
+    if sliced is not None and layer is not None:
+        raise ClientError(400, "slice: attention shows one forward of a whole image; not with slice")
+    return sliced
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:

@@ -17,7 +17,6 @@ from ..data.images import ImageFile, NotAnImageError, TooManyPixelsError, Unread
 
 ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}  # composited over white: RGBA copies on the way
 WIDE_MODES = {"I", "F"}  # 32-bit values: converted through float64 arrays
-QUOTED_CHARACTERS = 40  # what a message quotes of a name or value a client sent, at most
 # glibc keeps freed heap memory for reuse; after this many pixels are given back, malloc_trim returns it to
 # the system (measured: a server at 131 MiB kept 424 after six 16 M-pixel uploads without it, 131 to 262 with
 # it, by which threads decoded)
@@ -34,11 +33,6 @@ class ClientError(Exception):
 
 class OverBudget(Exception):
     """The pixel budget is taken by images in flight now: try again later (503 with Retry-After)."""
-
-
-def quoted(text: str) -> str:
-    """`text` as a message quotes a client's input: repr of its first QUOTED_CHARACTERS, '…' where cut."""
-    return repr(text) if len(text) <= QUOTED_CHARACTERS else repr(text[:QUOTED_CHARACTERS]) + "…"
 
 
 def read_header(data: bytes, name: str) -> ImageFile:
