@@ -14,10 +14,12 @@ implementation of the CLEAR MOT and identity metrics) of ByteTrack, SORT and OC-
    (1 - IoU) and the objects mostly tracked / lost, an object counting where at least MIN_VISIBILITY
    of it is seen (a hypothesis on a less visible one is left out, MOTChallenge's distractor rule as
    motmetrics.preprocess applies it); a hypothesis is a detection with a track id (not -1). Then
-   ByteTrack without its low-score stage, and ByteTrack and SORT given the duplicate boxes too.
+   each of tracking.py's choices undone alone: no re-identification (ByteTrack, SORT), no low-score
+   stage, new tracks at the threshold + 0.1 (ByteTrack's authors'), duplicates across classes removed
+   at IoU 0.5, duplicates removed at IoU 0.5 whatever their class (as before), duplicates kept.
 4. The same trackers fed the ground truth with a detector's kind of noise (`noisy_detections`):
    the trackers alone, with good detections.
-5. `predict --track bytetrack` on each video end to end (decoding, the model, the tracker, drawing the
+5. `predict --track` (ByteTrack) on each video end to end (decoding, the model, the tracker, drawing the
    boxes, ids and trails, encoding): its own frames/s line.
 
 The quick start's model scores low (its best detection on a val image is 0.4-0.6), so the threshold is
@@ -152,24 +154,25 @@ def noisy_detections(truth: list, size: tuple, seed: int = 0, classes=None) -> l
     return frames
 
 
-def track_all(name: str, frames: list, threshold: float, fps: float, **options) -> tuple[list, float]:
-    """`frames` (every frame's `Detections`) through a new `Tracking` -> (the tracked frames, frames/s)."""
+def track_all(name: str, frames: list, images: list, threshold: float, fps: float, **options) -> tuple[list, float]:
+    """`frames` (every frame's `Detections`) and their `images` through a new `Tracking` -> (the tracked
+    frames, frames/s)."""
     from deformable_detr.inference.tracking import Tracking
 
     tracking = Tracking(name, threshold, fps, **options)
     start = time.perf_counter()
-    tracked = [tracking.update(frame) for frame in frames]
+    tracked = [tracking.update(frame, image) for frame, image in zip(frames, images, strict=True)]
     return tracked, len(frames) / (time.perf_counter() - start)
 
 
-def rows(videos: list, detections: list, threshold: float, runs: list) -> list[str]:
+def rows(videos: list, images: list, detections: list, threshold: float, runs: list) -> list[str]:
     """A table row per (label, tracker, options) of `runs`: its metrics over `videos` (each tracked on its
-    `detections`, a new tracker each) and the tracker's frames/s."""
+    `detections` and decoded `images`, a new tracker each) and the tracker's frames/s."""
     lines = []
     for label, name, options in runs:
         accumulators, frames, seconds = [], 0, 0.0
-        for video, found in zip(videos, detections, strict=True):
-            tracked, rate = track_all(name, found, threshold, video.fps, **options)
+        for video, decoded, found in zip(videos, images, detections, strict=True):
+            tracked, rate = track_all(name, found, decoded, threshold, video.fps, **options)
             accumulators.append(accumulate(video.truth, tracked))
             frames, seconds = frames + len(found), seconds + len(found) / rate
         lines.append(row(label, mot_metrics(accumulators), frames / seconds))
@@ -198,7 +201,7 @@ def main(argv=None):
 
     from deformable_detr.data.shapes_video import make_video, write_video
     from deformable_detr.inference.detector import Detector
-    from deformable_detr.inference.tracking import LOW_SCORE
+    from deformable_detr.inference.tracking import DUPLICATES_IOU, LOW_SCORE
     from deformable_detr.predict import main as predict
 
     import av
@@ -217,12 +220,13 @@ def main(argv=None):
         f"(counted), {len(boxes) - counted} less (left out)"
     )
     detector = Detector.load(args.checkpoint, precision="float32")
-    detections, seconds, end_to_end = [], 0.0, []
+    detections, images, seconds, end_to_end = [], [], 0.0, []
     with tempfile.TemporaryDirectory() as tmp:
         for video in videos:
             path = write_video(Path(tmp) / f"shapes_{video.seed}.mp4", video)
             with av.open(str(path)) as source:
                 frames = [frame.to_image() for frame in source.decode(video=0)]
+            images.append(frames)
             detector.predict(frames[: args.batch_size], LOW_SCORE, batch_size=args.batch_size)  # warm-up
             start, found = time.perf_counter(), []
             for i in range(0, len(frames), args.batch_size):
@@ -232,12 +236,12 @@ def main(argv=None):
             with contextlib.redirect_stdout(io.StringIO()) as said, contextlib.redirect_stderr(io.StringIO()):
                 argv = ["--checkpoint", str(args.checkpoint), "--precision", "float32"]
                 argv += ["--threshold", str(args.threshold), "--batch-size", str(args.batch_size)]
-                predict([*argv, "--output-dir", str(Path(tmp) / "out"), "--track", "bytetrack", str(path)])
+                predict([*argv, "--output-dir", str(Path(tmp) / "out"), "--track", str(path)])
             end_to_end.append(float(re.search(r"([\d.]+) frames/s", said.getvalue()).group(1)))
     frames = sum(len(found) for found in detections)
     lines.append(
         f"the quick start's model ({args.checkpoint}), float32, batches of {args.batch_size}: the detector "
-        f"{frames / seconds:.1f} frames/s; predict --track bytetrack end to end (decode, detect, track, draw, "
+        f"{frames / seconds:.1f} frames/s; predict --track (bytetrack) end to end (decode, detect, track, draw, "
         f"encode) {', '.join(f'{rate:.1f}' for rate in end_to_end)} frames/s"
     )
     header = [
@@ -246,16 +250,23 @@ def main(argv=None):
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     runs = [(name, name, {}) for name in TRACKER_NAMES]
-    ablations = [
+    ablations = [  # each of tracking.py's choices undone alone
+        ("bytetrack, no re-identification", "bytetrack", {"reidentify": False}),
+        ("sort, no re-identification", "sort", {"reidentify": False}),
         ("bytetrack, no low-score stage", "bytetrack", {"low_score": None}),
+        ("bytetrack, new tracks at the threshold + 0.1", "bytetrack", {"track_activation_threshold": None}),
+        ("bytetrack, duplicates: IoU 0.5 across classes", "bytetrack", {"duplicates": (DUPLICATES_IOU[0], 0.5)}),
+        ("bytetrack, duplicates: IoU 0.5, class-agnostic (before)", "bytetrack", {"duplicates": (0.5, 0.5)}),
         ("bytetrack, duplicates kept", "bytetrack", {"duplicates": None}),
-        ("sort, duplicates kept", "sort", {"duplicates": None}),
     ]
+    for _, _, options in ablations:  # its authors' det_thresh: the high-score bar + 0.1
+        if "track_activation_threshold" in options:
+            options["track_activation_threshold"] = min(args.threshold + 0.1, 1.0)
     lines += ["", f"The model's detections, threshold {args.threshold:g}:", "", *header]
-    lines += rows(videos, detections, args.threshold, runs + ablations)
+    lines += rows(videos, images, detections, args.threshold, runs + ablations)
     noisy = [noisy_detections(video.truth, video.size, video.seed) for video in videos]
     lines += ["", "The ground truth with noise (noisy_detections), threshold 0.5:", "", *header]
-    lines += rows(videos, noisy, 0.5, runs + ablations[:1])
+    lines += rows(videos, images, noisy, 0.5, runs + ablations[:2])
     report(lines, args.output)
 
 

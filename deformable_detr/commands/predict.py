@@ -2,7 +2,7 @@
 
     deformable-detr predict --checkpoint W [--config C] [--raw-weights] [--precision P] [--threshold 0.5]
         [--output-dir D] [--batch-size N] [--attention [--attention-layer N]] [--encoder-pixel X,Y]
-        [--skip-unreadable] [--slice W,H [--overlap 0.2]] [--track [TRACKER]] INPUT... [section.key=value ...]
+        [--skip-unreadable] [--slice W,H [--overlap 0.2]] [--track [--tracker T]] INPUT... [section.key=value ...]
 
 (also `python -m deformable_detr.predict`). An INPUT is an image, a folder (its images), a glob
 ('photos/*.jpg') or a video (the `video` extra); a config override `section.key=value` may stand
@@ -13,9 +13,9 @@ above the threshold: label, name, score, box x0, y0, x1, y1 in pixels, the decod
 and weights in the JSON; with --encoder-pixel, D/<stem>.encoder.png and .encoder.json. For a video,
 D/<stem>.mp4 (annotated) and D/<stem>.json (detections per frame). Built on `Detector`.
 
---track [bytetrack|sort|ocsort] (videos; alone: bytetrack): an id per object through the frames
-(`Detector.track`, Roboflow's trackers: the `track` extra), drawn with a trail and in each detection's
-JSON as track_id (-1: none yet; docs/tracking.md).
+--track (videos): an id per object through the frames (`Detector.track`; --tracker bytetrack, sort or
+ocsort, Roboflow's trackers: the `track` extra), drawn with a trail and in each detection's JSON as
+track_id (-1: none; docs/tracking.md).
 
 --batch-size N: a forward takes at most N images of one resized size, none padded, so every result is
 that of the image alone (`Detector`'s batching rule); images are written as their batches complete.
@@ -36,11 +36,11 @@ from tqdm import tqdm
 from ..errors import UsageError, entry_point
 from ..inference.detector import Detections, Detector
 from ..inference.inputs import VIDEO_SUFFIXES, Unreadable, displayed_size, find_inputs
-from ..inference.slicing import OVERLAP, check_slice, parse_slice, supervision
+from ..inference.slicing import OVERLAP, parse_slice
 from ..inference.tracking import TRACKERS
 from ..inference.visualize import draw_sampling_points, grid
 from .cli import add_model_arguments, command_parser, load_detector, model_config, note_old_spelling, split_overrides
-from .predict_video import bare_track, check_video_arguments, predict_video
+from .predict_video import check_video_arguments, predict_video
 
 ATTENTION_PANELS = 6  # the top detections drawn in <stem>.attention.png
 
@@ -124,7 +124,6 @@ def write_outputs(path: Path, image: Image.Image, result: Detections, args, laye
 def predict_images(detector: Detector, paths: list[Path], args, layers: tuple):
     done, start = 0, time.perf_counter()
     looking = (layers[0] if args.attention else None, args.encoder_pixel)
-    sliced = None if args.slice is None else check_slice(args.slice, args.overlap)
     with tqdm(total=len(paths), unit="image", desc="predict") as bar:
 
         def skipped(message: str) -> None:  # an image that does not load (--skip-unreadable): named, counted
@@ -133,7 +132,7 @@ def predict_images(detector: Detector, paths: list[Path], args, layers: tuple):
 
         unreadable = Unreadable(args.skip_unreadable, "--skip-unreadable", skipped)
         # Detector.predict's batches (one resized size a forward): the results of --batch-size 1
-        for batch in detector.predict_batches(paths, unreadable, args.threshold, args.batch_size, looking, sliced):
+        for batch in detector.predict_batches(paths, unreadable, args.threshold, args.batch_size, looking, args.sliced):
             for _, image, result in batch:
                 bar.write(write_outputs(result.path, image, result, args, layers))
             bar.update(len(batch))
@@ -167,16 +166,11 @@ def build_parser():
     parser.add_argument("--encoder-pixel", type=pixel, help="X,Y: where the last encoder layer's queries there look")
     parser.add_argument("--skip-unreadable", action="store_true", help="name unreadable images and go on")
     parser.add_argument("--slice", metavar="W,H", help="detect on W x H slices of each image (pixels)")
-    parser.add_argument("--overlap", type=float, help=f"of a slice, with --slice (default {OVERLAP})")
+    parser.add_argument("--overlap", metavar="F", help=f"of a slice, with --slice (default {OVERLAP})")
     # the old spelling of an override (cli.OLD_SPELLINGS), one release more: not in --help
     parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--track",
-        nargs="?",
-        const="bytetrack",
-        choices=TRACKERS,
-        help="videos: an id per object through the frames (default bytetrack; the track extra)",
-    )
+    parser.add_argument("--track", action="store_true", help="videos: an id per object through the frames")
+    parser.add_argument("--tracker", choices=TRACKERS, help=f"with --track (default {TRACKERS[0]}; the track extra)")
     parser.add_argument(
         "inputs",
         nargs="+",
@@ -187,24 +181,24 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_intermixed_args(bare_track(argv))  # overrides and inputs in any order
+    args = build_parser().parse_intermixed_args(argv)  # overrides and inputs in any order
     overrides, args.inputs = split_overrides(args.inputs, others=True)
     if args.set:
         note_old_spelling("predict --set KEY=VALUE")
     args.overrides = [*split_overrides(args.set)[0], *overrides]
     if not args.inputs:
         raise UsageError("no INPUT: an image, folder, glob or video to predict (the rest are config overrides)")
+    if args.tracker and not args.track:
+        raise UsageError(f"--tracker {args.tracker}: the tracker of --track; add --track")
+    named = [text for text in args.inputs if args.track and text in TRACKERS and not Path(text).exists()]
+    if named:  # the spelling before --tracker
+        raise UsageError(f"--track {named[0]}: name the tracker with --tracker {named[0]}")
+    args.tracker = args.tracker or TRACKERS[0]
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size}: must be at least 1")
-    if args.overlap is not None and args.slice is None:
-        raise UsageError(f"--overlap {args.overlap:g}: the overlap of slices, with --slice W,H")
-    if args.slice is not None:
-        args.slice = parse_slice(args.slice, "--slice")
-        overlap = OVERLAP if args.overlap is None else args.overlap
-        args.overlap = check_slice(args.slice, overlap, "--slice", "--overlap")[1]
-        if args.attention or args.encoder_pixel is not None:
-            raise UsageError("--attention and --encoder-pixel show one forward of a whole image; not with --slice")
-        supervision()  # the extra is there, before any work
+    args.sliced = parse_slice(args.slice, args.overlap, ("--slice", "--overlap"))  # ((W, H), overlap) or None
+    if args.sliced and (args.attention or args.encoder_pixel is not None):
+        raise UsageError("--attention and --encoder-pixel show one forward of a whole image; not with --slice")
     return args
 
 
@@ -224,7 +218,7 @@ def main(argv=None):
     if args.track and images:
         raise UsageError(f"--track follows objects from frame to frame of a video; {images[0]} is an image")
     if videos:
-        if args.slice:
+        if args.sliced:
             raise UsageError(f"--slice is for images, not videos ({videos[0]})")
         check_video_arguments(videos, args)
     images = readable_images(images, args.skip_unreadable, args.encoder_pixel)

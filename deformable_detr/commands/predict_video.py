@@ -3,7 +3,6 @@ annotated video and the detections of every frame. Needs PyAV (the `video` extra
 `trackers` (the `track` extra)."""
 
 import json
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -11,19 +10,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import UsageError, optional
-from ..inference.tracking import TRACKERS, TrackDrawing, check_tracker
+from ..inference.tracking import TrackDrawing, check_tracker
 
 
 def _av():
     return optional("av", "video", "reading a video")  # PyAV
-
-
-def bare_track(argv: list[str] | None) -> list[str]:
-    """`argv` (None: the command line's) with a bare `--track` (no tracker's name after it) written
-    `--track=bytetrack`: argparse would take the input after it (`--track clip.mp4`) for the name."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    named = [i + 1 < len(argv) and argv[i + 1] in TRACKERS for i in range(len(argv))]
-    return [f"--track={TRACKERS[0]}" if arg == "--track" and not named[i] else arg for i, arg in enumerate(argv)]
 
 
 def check_video_arguments(videos: list[Path], args):
@@ -32,8 +23,8 @@ def check_video_arguments(videos: list[Path], args):
     av = _av()
     if args.attention or args.encoder_pixel is not None:
         raise UsageError(f"--attention and --encoder-pixel are for images, not videos ({videos[0]})")
-    if getattr(args, "track", None):
-        check_tracker(args.track)
+    if args.track:
+        check_tracker(args.tracker)
     for path in videos:
         with _opened(av, path):
             pass
@@ -53,11 +44,11 @@ def _opened(av, path: Path):
 def predict_video(path: Path, detector, args):
     """Writes args.output_dir/<stem>.mp4 (H.264, the input's frame rate; even width and height) and
     <stem>.json: {"video", "fps", "frames": [{"frame", "time", "detections": [Detections.to_json()]}]};
-    with args.track (a tracker's name), "tracker" too, each detection's "track_id" (-1: none yet), and
-    the ids and their trails drawn."""
+    with args.track, "tracker" (args.tracker's name) too, each detection's "track_id" (-1: none), and
+    the ids and their trails drawn (`TrackDrawing`)."""
     av = _av()
     out_path, frames, start = args.output_dir / f"{path.stem}.mp4", [], time.perf_counter()
-    tracker = getattr(args, "track", None)
+    tracker = args.tracker if args.track else None
     with _opened(av, path) as source, av.open(str(out_path), "w") as sink:
         stream = source.streams.video[0]
         fps = stream.average_rate or 25
@@ -73,17 +64,16 @@ def predict_video(path: Path, detector, args):
 
         if tracker:
             results = detector.track(images(), tracker, args.threshold, args.batch_size, frame_rate=float(fps))
-            drawing = TrackDrawing(trail=max(round(float(fps)), 2))  # a second's trail
+            draw = TrackDrawing(trail=max(round(float(fps)), 2)).draw  # a second's trail
         else:
             batches = _batches(images(), args.batch_size)
             results = (r for batch in batches for r in detector.predict(batch, args.threshold, batch_size=len(batch)))
+            draw = lambda image, result: result.draw(image)  # noqa: E731
         with tqdm(total=stream.frames or None, unit="frame", desc=path.name) as bar:
             try:
                 for result in results:
                     time_s, image = decoded.popleft()
-                    drawn = result.draw(image)
-                    if tracker:
-                        drawn = drawing.draw(drawn, result)
+                    drawn = draw(image, result)
                     sink.mux(encoder.encode(av.VideoFrame.from_image(drawn.crop((0, 0, *size)))))
                     frames.append({"frame": len(frames), "time": time_s, "detections": result.to_json()})
                     bar.update()

@@ -24,6 +24,7 @@ differently from a batch's: measured at most 5e-7 in score, 5e-5 pixels in a box
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import sys
 import warnings
@@ -55,7 +56,7 @@ from .confusion import THRESHOLD, draw_confusion_matrix
 from .evaluation import evaluate
 from .inputs import Unreadable, as_image, find_inputs, grouped, open_image, opened_batches
 from .slicing import OVERLAP, check_slice, sliced_detect
-from .tracking import Tracking, tracked
+from .tracking import Tracking
 from .visualize import draw_detections, pr_curves
 
 CONFIG_SECTIONS = [section.name for section in dataclasses.fields(Config) if section.name != "seed"]
@@ -85,7 +86,10 @@ class Detections:
 
     def at_threshold(self, threshold: float) -> "Detections":
         """Those scoring at least `threshold` (best first still), with their names and sampling points."""
-        kept = self.scores >= threshold
+        return self.where(self.scores >= threshold)
+
+    def where(self, kept: np.ndarray) -> "Detections":
+        """Those where the boolean `kept` (n,) is true, in their order, with their names, sampling points, ids."""
         arrays = {k: getattr(self, k)[kept] for k in ("boxes", "scores", "labels", "queries")}
         if self.track_ids is not None:
             arrays["track_ids"] = self.track_ids[kept]
@@ -233,10 +237,19 @@ class Detector:
         **options,
     ):
         """Identities through a video: `frames`, an iterable of images (PIL, (H, W, 3) uint8 arrays) in
-        order -> a generator of each frame's `predict` result at `threshold` with `track_ids` (n,), -1
-        where the tracker has none yet. `tracker`: bytetrack, sort or ocsort, Roboflow's `trackers` (the
-        `track` extra); `frame_rate` the video's; `options` the tracker's own arguments (tracking.py)."""
-        return tracked(self, frames, Tracking(tracker, threshold, frame_rate, **options), batch_size)
+        order -> a generator of each frame's detections with `track_ids` (n,), -1 where there is no
+        identity: those at `threshold` as `predict` gives them, and with ByteTrack the lower-scored ones
+        it matched to a track (inference/tracking.py). `tracker`: bytetrack, sort or ocsort, Roboflow's
+        `trackers` (the `track` extra); `frame_rate` the video's; `options` `Tracking`'s (duplicates,
+        low_score, reidentify) and the tracker's own arguments (e.g. lost_track_buffer=60)."""
+        tracking = Tracking(tracker, threshold, frame_rate, **options)  # here: a bad name or no extra raises now
+
+        def tracked(frames):
+            while batch := [as_image(frame) for frame in itertools.islice(frames, batch_size)]:
+                for image, detections in zip(batch, self.predict(batch, tracking.floor, batch_size), strict=True):
+                    yield tracking.update(detections, image)
+
+        return tracked(iter(frames))
 
     def batch_key(self, image) -> tuple[int, int]:
         """(height, width) of `image` (a PIL image, or its (width, height)) as the model sees it, resized
