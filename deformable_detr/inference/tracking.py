@@ -157,7 +157,7 @@ class Identities:
     that overlap no other identified box), its class (the most seen) and the frame it was last seen in.
 
     A raw id not seen before takes the identity lost for at most `memory_s` seconds, of its class, that
-    it looks most like, at `new` likeness or more; else it is an identity of its own (its raw id). A raw id
+    it looks most like, at `new` likeness or more; else a new identity (numbered from 0). A raw id
     whose box looks less than `keep` like its identity moves to a lost one of its class that it looks like
     at `new` or more and by `margin` more. Two raw ids on one identity in a frame: the better scored keeps it."""
 
@@ -172,13 +172,14 @@ class Identities:
     ):
         self.memory = memory_s * frame_rate  # in frames
         self.new, self.keep, self.margin, self.blend = new, keep, margin, blend
-        self.frame = -1
+        self.frame, self.count = -1, 0
         self.identity = {}  # raw id -> identity
         self.look, self.classes, self.last = {}, {}, {}  # identity -> histogram, {label: count}, frame
 
     def update(self, image: np.ndarray, detections, raw_ids: np.ndarray, threshold: float) -> np.ndarray:
         """This frame's `detections` (best first) with the tracker's `raw_ids` (-1: none) -> their identities."""
         self.frame += 1
+        self._forget()
         ids = np.full(len(raw_ids), -1, np.int64)
         rows = [j for j in range(len(raw_ids)) if raw_ids[j] >= 0]
         looks = {j: appearance(image, detections.boxes[j]) for j in rows}
@@ -195,7 +196,8 @@ class Identities:
                     identity = other if other is not None and alike >= now + self.margin else identity
             if identity is None:
                 identity = self._lost_like(looks[j], label, taken)[0]
-                identity = raw if identity is None else identity
+            if identity is None:
+                identity, self.count = self.count, self.count + 1  # a new one: ids from 0 in order of appearance
             self.identity[raw], ids[j] = identity, identity
             taken.add(identity)
         boxes = detections.boxes
@@ -211,12 +213,22 @@ class Identities:
                 self.look[identity] = looks[j] if before is None else self.blend * before + (1 - self.blend) * looks[j]
         return ids
 
+    def _forget(self) -> None:
+        """Identities unseen for over `memory` frames, and the raw ids on them, dropped: a long video (a
+        server's stream) keeps what it can still match, not every id it has seen."""
+        gone = {identity for identity, last in self.last.items() if self.frame - last > self.memory}
+        if gone:
+            for table in (self.look, self.classes, self.last):
+                for identity in gone:
+                    table.pop(identity, None)
+            self.identity = {raw: identity for raw, identity in self.identity.items() if identity not in gone}
+
     def _lost_like(self, look: np.ndarray, label: int, taken: set) -> tuple[int | None, float]:
         """(the identity not in this frame, seen within memory, of class `label`, that `look` is most like
         at `new` or more, its likeness), or (None, 0)."""
         best, alike = None, 0.0
         for identity, known in self.look.items():
-            if identity in taken or self.frame - self.last[identity] > self.memory:
+            if identity in taken:
                 continue
             counts = self.classes[identity]
             if max(counts, key=counts.get) != label:
