@@ -4,6 +4,7 @@ implementation of the CLEAR MOT and identity metrics) of ByteTrack, SORT and OC-
 
     python bench/tracking.py [--checkpoint output/shapes/checkpoint.safetensors] [--frames 200] [--seeds 0 1 2]
                              [--threshold 0.3] [--batch-size 4] [--output bench/results/tracking_cpu.txt]
+                             [--picture docs/tracking.png [--picture-frames 20 60 100 140]]
 
 1. A video per seed (deformable_detr/data/shapes_video.py: `--frames` frames, 160 x 120, six shapes,
    25 frames/s), written as H.264 and decoded again, as `predict` reads it; the metrics are over them all.
@@ -20,7 +21,8 @@ implementation of the CLEAR MOT and identity metrics) of ByteTrack, SORT and OC-
 4. The same trackers fed the ground truth with a detector's kind of noise (`noisy_detections`):
    the trackers alone, with good detections.
 5. `predict --track` (ByteTrack) on each video end to end (decoding, the model, the tracker, drawing the
-   boxes, ids and trails, encoding): its own frames/s line.
+   boxes, ids and trails, encoding): its own frames/s line; with --picture, the first video's annotated
+   frames --picture-frames side by side, twice their size (docs/tracking.png).
 
 The quick start's model scores low (its best detection on a val image is 0.4-0.6), so the threshold is
 0.3, as bench/predict.py's."""
@@ -197,6 +199,10 @@ def main(argv=None):
     parser.add_argument("--threshold", type=float, default=0.3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "tracking_cpu.txt")
+    parser.add_argument(
+        "--picture", type=Path, help="write the first video's --track frames PICTURE_FRAMES side by side"
+    )
+    parser.add_argument("--picture-frames", type=int, nargs="+", default=[20, 60, 100, 140])
     args = parser.parse_args(argv)
 
     from deformable_detr.data.shapes_video import make_video, write_video
@@ -205,6 +211,7 @@ def main(argv=None):
     from deformable_detr.predict import main as predict
 
     import av
+    from PIL import Image
 
     lines = [
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
@@ -238,6 +245,12 @@ def main(argv=None):
                 argv += ["--threshold", str(args.threshold), "--batch-size", str(args.batch_size)]
                 predict([*argv, "--output-dir", str(Path(tmp) / "out"), "--track", str(path)])
             end_to_end.append(float(re.search(r"([\d.]+) frames/s", said.getvalue()).group(1)))
+            if args.picture and video is videos[0]:
+                with av.open(str(Path(tmp) / "out" / path.name)) as drawn:
+                    shown = [f.to_ndarray(format="rgb24") for f in drawn.decode(video=0)]
+                picture = np.concatenate([shown[i] for i in args.picture_frames], axis=1)
+                twice = Image.fromarray(picture).resize((picture.shape[1] * 2, picture.shape[0] * 2))
+                twice.quantize(256).save(args.picture, optimize=True)  # a docs picture: 256 colours
     frames = sum(len(found) for found in detections)
     lines.append(
         f"the quick start's model ({args.checkpoint}), float32, batches of {args.batch_size}: the detector "
