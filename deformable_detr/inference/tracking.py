@@ -182,17 +182,22 @@ class Identities:
 
     def update(self, image: np.ndarray, detections, raw_ids: np.ndarray, threshold: float) -> np.ndarray:
         """This frame's `detections` (best first) with the tracker's `raw_ids` (-1: none) -> their identities."""
+        import supervision as sv
+
         self.frame += 1
         self._forget()
         ids = np.full(len(raw_ids), -1, np.int64)
         rows = [j for j in range(len(raw_ids)) if raw_ids[j] >= 0]
         looks = {j: appearance(image, detections.boxes[j]) for j in rows}
+        boxes = np.asarray(detections.boxes, np.float32).reshape(-1, 4)
+        overlaps = sv.box_iou_batch(boxes, boxes)  # IoU of every two boxes (0 where no union), once a frame
+        np.fill_diagonal(overlaps, 0)
         taken = {}  # identity -> the row holding it this frame
         for j in rows:  # best scored first
             raw, label = int(raw_ids[j]), int(detections.labels[j])
             identity = self.identity.get(raw)
             if identity in taken:  # two tracks on one identity: the better scored (taken first) keeps it
-                if _iou(detections.boxes[taken[identity]], detections.boxes[j]) > 0:
+                if overlaps[taken[identity], j] > 0:
                     continue  # their boxes meet: one object the tracker follows twice; this one has no id
                 identity = None  # apart: two objects alike; this one is matched again
             if identity is not None and identity in self.look:
@@ -206,7 +211,6 @@ class Identities:
                 identity, self.count = self.count, self.count + 1  # a new one: ids from 0 in order of appearance
             self.identity[raw], ids[j] = identity, identity
             taken[identity] = j
-        boxes = detections.boxes
         for j in rows:
             identity, label = int(ids[j]), int(detections.labels[j])
             if identity < 0:
@@ -215,7 +219,7 @@ class Identities:
             counts = self.classes.setdefault(identity, {})
             if detections.scores[j] >= threshold or not counts:
                 counts[label] = counts.get(label, 0) + 1
-            alone = all(_iou(boxes[j], boxes[k]) < 0.05 for k in rows if k != j)
+            alone = (overlaps[j, rows] < 0.05).all()  # no other identified box meets it (its own IoU: 0)
             if detections.scores[j] >= threshold and alone:
                 before = self.look.get(identity)
                 self.look[identity] = looks[j] if before is None else self.blend * before + (1 - self.blend) * looks[j]
@@ -231,7 +235,7 @@ class Identities:
                     table.pop(identity, None)
             self.identity = {raw: identity for raw, identity in self.identity.items() if identity not in gone}
 
-    def _lost_like(self, look: np.ndarray, label: int, taken: set) -> tuple[int | None, float]:
+    def _lost_like(self, look: np.ndarray, label: int, taken: dict) -> tuple[int | None, float]:
         """(the identity not in this frame, seen within memory, of class `label`, that `look` is most like
         at `new` or more, its likeness), or (None, 0)."""
         best, alike = None, 0.0
@@ -245,14 +249,6 @@ class Identities:
             if score >= self.new and score > alike:
                 best, alike = identity, score
         return best, alike
-
-
-def _iou(one, other) -> float:
-    x0, y0 = max(one[0], other[0]), max(one[1], other[1])
-    x1, y1 = min(one[2], other[2]), min(one[3], other[3])
-    inter = max(x1 - x0, 0.0) * max(y1 - y0, 0.0)
-    union = (one[2] - one[0]) * (one[3] - one[1]) + (other[2] - other[0]) * (other[3] - other[1]) - inter
-    return float(inter / union) if union > 0 else 0.0
 
 
 def as_supervision(detections):
