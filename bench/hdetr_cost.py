@@ -25,7 +25,7 @@ from deformable_detr.training.trainer import Trainer  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from common import cpu_model, load_average  # noqa: E402
+from common import cpu_model, load_average, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_ROWS = {
@@ -106,8 +106,7 @@ def main():
         base = base or seconds
         lines.append(f"{name:<36} {seconds:>6.2f} {seconds / base:>6.2f}")
         print(lines[-1], flush=True)
-    args.output.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.output}")
+    report(lines, args.output)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import kernels  # noqa: F401  (first: the BLAS the commands use)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
-from common import cpu_model  # noqa: E402
+from common import cpu_model, report  # noqa: E402
 from fidelity import approx, compared  # noqa: E402
 
 
@@ -78,8 +78,7 @@ def main():
             what = f", {cell['what']}" if "what" in cell else ""
             lines.append(f"| {name} | {cell['error']:.2e} ({cell['share']:.1%}{what}) | {tolerance} |")
             print(lines[-1], flush=True)
-    args.output.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.output}")
+    report(lines, args.output)
 
 
 if __name__ == "__main__":

@@ -108,19 +108,24 @@ def _axis(length: int, side: int, overlap_px: int) -> tuple[range, list[int]]:
     return range(0, length - side, stride), [length - side]
 
 
+def _axes(image_size: tuple[int, int], size: tuple[int, int], overlap: float) -> tuple[tuple, tuple]:
+    """`_axis` across (x) and down (y) for `size` slices overlapping by `overlap` on an `image_size` image."""
+    (width, height), (overlap_w, overlap_h) = image_size, overlap_pixels(size, overlap)
+    return _axis(width, size[0], overlap_w), _axis(height, size[1], overlap_h)
+
+
 def slice_boxes(image_size: tuple[int, int], size: tuple[int, int], overlap: float) -> list[tuple[int, int, int, int]]:
     """The slices `sliced_detect` runs on an image of `image_size` (W, H): (left, top, right, bottom)
     in pixels, row by row, each cut to the image (supervision's layout: `_axis`)."""
-    (width, height), (overlap_w, overlap_h) = image_size, overlap_pixels(size, overlap)
-    lefts, tops = ([*a, *b] for a, b in (_axis(width, size[0], overlap_w), _axis(height, size[1], overlap_h)))
+    width, height = image_size
+    lefts, tops = ([*regular, *last] for regular, last in _axes(image_size, size, overlap))
     return [(x, y, min(x + size[0], width), min(y + size[1], height)) for y in tops for x in lefts]
 
 
 def slice_count(image_size: tuple[int, int], size: tuple[int, int], overlap: float) -> int:
     """len(slice_boxes(...)), counted without making them, so that a server can refuse a request before any
     work (a 1 x 1 slice of a 3000 x 2000 image: 6 million)."""
-    (width, height), (overlap_w, overlap_h) = image_size, overlap_pixels(size, overlap)
-    across, down = (len(a) + len(b) for a, b in (_axis(width, size[0], overlap_w), _axis(height, size[1], overlap_h)))
+    across, down = (len(regular) + len(last) for regular, last in _axes(image_size, size, overlap))
     return across * down
 
 
