@@ -8,9 +8,14 @@ imports): the same in a command, a script of your own, a notebook or an app.
   one anew and returns it on free, so every activation is page-faulted in again (23.5 M page faults in
   two R50 steps at 800 px). glibc is told to keep freed memory in its heap for reuse (`mallopt`, as
   MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would at start-up): an R50 training step at 512 x 683
-  took 28 s instead of 33 s on an AMD EPYC, for about 150 MiB more peak RSS. A user's own
-  MALLOC_MMAP_THRESHOLD_ stays theirs. (PyTorch gains as much from it: the benchmarks run its
-  processes with `malloc_environment()`.)"""
+  took 28 s instead of 33 s on an AMD EPYC, for about 150 MiB more peak RSS. Kept memory stays in the
+  heap (arena) of the thread that freed it, and glibc makes up to 8 arenas a core as threads meet in
+  malloc (MLX's stream, oneDNN's and OpenBLAS's workers, the kernels' threads): each kept its own high
+  water, so an R50 training step over new image shapes grew by 20-40 MiB of arenas on an AVX2 CPU
+  (bench/shape_memory.py, issue 61). So glibc is told to make at most one arena a core (M_ARENA_MAX,
+  as MALLOC_ARENA_MAX would): the same step time (6.04 s against 6.10 s at 512 x 683 on 2 cores; one
+  arena in all: 6.35-6.85 s). A user's own MALLOC_* settings stay theirs. (PyTorch gains as much from
+  it: the benchmarks run its processes with `malloc_environment()`.)"""
 
 import ctypes
 import os
@@ -18,19 +23,25 @@ import sys
 
 # glibc's mallopt parameters, and the thresholds: 2 GiB (mallopt takes an int), above any one buffer of
 # an R50 step (the largest, the stem's patches at 800 x 1066 for 2 images, is about 250 MB).
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 THRESHOLD = 2**31 - 1
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(THRESHOLD)}
+ARENAS = max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(THRESHOLD),
+    "MALLOC_TRIM_THRESHOLD_": str(THRESHOLD),
+    "MALLOC_ARENA_MAX": str(ARENAS),
+}
 
 
 def keep_freed_memory() -> bool:
-    """glibc's malloc keeps freed memory in the heap from now on (Linux; not where the user set its
-    thresholds). -> whether it was set here."""
+    """glibc's malloc keeps freed memory in the heap from now on, in at most ARENAS heaps (Linux; not
+    where the user set any of MALLOC). -> whether it was set here."""
     if sys.platform != "linux" or any(name in os.environ for name in MALLOC):
         return False
     try:
         libc = ctypes.CDLL(None)
-        return all(libc.mallopt(option, THRESHOLD) == 1 for option in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
+        settings = ((M_MMAP_THRESHOLD, THRESHOLD), (M_TRIM_THRESHOLD, THRESHOLD), (M_ARENA_MAX, ARENAS))
+        return all(libc.mallopt(option, value) == 1 for option, value in settings)
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
 

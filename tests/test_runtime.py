@@ -14,6 +14,8 @@ from pathlib import Path
 
 from kernels import blas
 
+from deformable_detr import runtime
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -54,7 +56,7 @@ def run_program(imports: str, **settings) -> tuple[str, int, int, list[str]]:
     environment = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+        if k not in ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", *runtime.MALLOC)
     }
     environment["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
@@ -108,6 +110,55 @@ def test_glibc_keeps_freed_memory_once_the_package_is_imported():
     assert kept < 1_000
     _, _, users, _ = run_program("import deformable_detr", MALLOC_MMAP_THRESHOLD_="1048576")
     assert users >= 16_000  # a user's own setting stays theirs
+
+
+# -> how many heaps (arenas) glibc's malloc has after `threads` threads allocated at once
+ARENAS_PROGRAM = """
+import ctypes, tempfile, threading
+{imports}
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+
+def churn():  # ctypes lets the GIL go: the threads meet in malloc
+    for _ in range(2000):
+        libc.free(libc.malloc(4096))
+
+threads = [threading.Thread(target=churn) for _ in range({threads})]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+with tempfile.NamedTemporaryFile("r") as report:
+    stream = libc.fopen(report.name.encode(), b"w")
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    print(report.read().count("<heap nr="))
+"""
+
+
+def arenas(imports: str, **settings) -> int:
+    environment = {k: v for k, v in os.environ.items() if k not in runtime.MALLOC}
+    done = subprocess.run(
+        [sys.executable, "-c", ARENAS_PROGRAM.format(imports=imports, threads=2 * runtime.ARENAS + 2)],
+        capture_output=True,
+        text=True,
+        env={**environment, "PYTHONPATH": str(ROOT), **settings},
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
+@linux
+def test_freed_memory_is_kept_in_at_most_one_heap_a_core():
+    """Each heap keeps its own freed memory: glibc's up to 8 a core made an R50 step over new image shapes
+    grow by tens of MiB (issue 61). After the package's import, twice as many threads at once as
+    runtime.ARENAS (one a core, at least 2) share that many."""
+    assert arenas("import mlx.core") > runtime.ARENAS  # glibc's own limit: 8 a core
+    assert arenas("import deformable_detr") == runtime.ARENAS
+    assert arenas("import deformable_detr", MALLOC_ARENA_MAX="1") == 1  # a user's own setting stays theirs
 
 
 def test_auto_is_mkl_on_intel_and_openblas_elsewhere(monkeypatch):

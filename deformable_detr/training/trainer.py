@@ -7,7 +7,6 @@ import re
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from ..config import Config
@@ -16,7 +15,7 @@ from ..models import build_criterion
 from ..models.precision import DTYPES, computing_in, to, widened
 from .ema import EMA
 from .memory_plan import plan_memory
-from .optimizer import build_optimizer, freeze_for_training
+from .optimizer import build_optimizer, clip_and_update, freeze_for_training
 
 
 class GradientCheckError(CommandError):
@@ -181,12 +180,10 @@ class Trainer:
         if self.world_size > 1:
             grads = tree_map(lambda g: mx.distributed.all_sum(g, group=self.group) / self.world_size, grads)
         max_norm = self.cfg.optimizer.clip_max_norm
-        clipped, grad_norm = optim.clip_grad_norm(grads, max_norm if max_norm > 0 else math.inf)
-        self.optimizer.update(self.model, clipped)
+        first_norms = sampling_offsets_grad_norms(grads) if self.steps == 0 else {}
+        grad_norm = clip_and_update(self.optimizer, self.model, grads, max_norm if max_norm > 0 else math.inf)
         if self.ema is not None:
             self.ema.update(self.model)
-        first_norms = sampling_offsets_grad_norms(grads) if self.steps == 0 else {}
-        del clipped  # held by the graph alone: MLX frees each clipped gradient once the update has used it
         ema = self.ema.weights if self.ema is not None else {}
         mx.eval(self.model.parameters(), self.optimizer.state, ema, total, losses, grad_norm, first_norms)
         self.steps += 1

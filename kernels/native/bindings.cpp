@@ -15,7 +15,8 @@ using namespace nb::literals;
 NB_MODULE(_native, m) {
   m.doc() =
       "MLX operations in C++ for kernels: ms_deform_attn on the CPU, linear_assignment, softmax, layer_norm, "
-      "patches and unpatches, bernoulli16, channel_affine, broadcast_rows, sin_cos, masked_scale, relu";
+      "patches and unpatches, bernoulli16, channel_affine, broadcast_rows, sin_cos, masked_scale, relu, "
+      "adamw_update";
   m.attr("mlx_version") = mlx::core::version();
   m.def(
       "ms_deform_attn",
@@ -43,4 +44,6 @@ NB_MODULE(_native, m) {
   m.def("masked_scale", &kernels::masked_scale, "x"_a, "keep"_a, "scale"_a, "relu"_a, "threads"_a);
   m.def("relu", &kernels::relu, "x"_a, "threads"_a);
   m.def("scale_where_positive", &kernels::scale_where_positive, "x"_a, "output"_a, "scale"_a, "threads"_a);
+  m.def("adamw_update", &kernels::adamw_update, "parameter"_a, "gradient"_a, "m"_a, "v"_a, "factors"_a, "beta1"_a,
+        "one_minus_beta1"_a, "beta2"_a, "one_minus_beta2"_a, "eps"_a, "threads"_a);
 }

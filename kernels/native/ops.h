@@ -76,4 +76,12 @@ array scale_where_positive(const array& x, const array& output, float scale, int
 // scale_where_positive of the output.
 array relu(const array& x, int threads);
 
+// One AdamW step (mlx.optimizers.AdamW with bias correction) of a float32 parameter, the gradient first
+// multiplied by factors[3]: factors (4,) = [1 - lr * weight_decay, lr / (1 - beta1^step),
+// rsqrt(1 - beta2^step), gradient scale]. -> [parameter, m, v] new, MLX's ops bit for bit, one pass on
+// every core. Not differentiable.
+std::vector<array> adamw_update(const array& parameter, const array& gradient, const array& m, const array& v,
+                                const array& factors, float beta1, float one_minus_beta1, float beta2,
+                                float one_minus_beta2, float eps, int threads);
+
 }  // namespace kernels
