@@ -9,13 +9,13 @@ imports): the same in a command, a script of your own, a notebook or an app.
   two R50 steps at 800 px). glibc is told to keep freed memory in its heap for reuse (`mallopt`, as
   MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would at start-up): an R50 training step at 512 x 683
   took 28 s instead of 33 s on an AMD EPYC, for about 150 MiB more peak RSS. Kept memory stays in the
-  heap (arena) of the thread that freed it, and glibc makes up to 8 arenas a core as threads meet in
-  malloc (MLX's stream, oneDNN's and OpenBLAS's workers, the kernels' threads): each kept its own high
-  water, so an R50 training step over new image shapes grew by 20-40 MiB of arenas on an AVX2 CPU
-  (bench/shape_memory.py, issue 61). So glibc is told to make at most one arena a core (M_ARENA_MAX,
-  as MALLOC_ARENA_MAX would): the same step time (6.04 s against 6.10 s at 512 x 683 on 2 cores; one
-  arena in all: 6.35-6.85 s). A user's own MALLOC_* settings stay theirs. (PyTorch gains as much from
-  it: the benchmarks run its processes with `malloc_environment()`.)"""
+  heap (arena) that freed it, and glibc makes up to 8 heaps a core as threads meet in malloc (MLX's
+  stream, oneDNN's and OpenBLAS's workers, the kernels' threads, started for each call): each holding
+  its own high water, on a many-core server hundreds of them. So glibc is told to make at most one a
+  core, at least 2 (M_ARENA_MAX, as MALLOC_ARENA_MAX would): the R50 step at 512 x 683 on 2 cores took
+  the same time (6.04 s against 6.10; one heap in all: 6.35-6.85 s, the threads waiting on its lock).
+  A user's own MALLOC_* settings stay theirs. (PyTorch gains as much from it: the benchmarks run its
+  processes with `malloc_environment()`.)"""
 
 import ctypes
 import os

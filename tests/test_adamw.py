@@ -6,14 +6,14 @@ import math
 
 import kernels
 import kernels.adamw
+from deformable_detr.training.optimizer import AdamW, clip_and_update
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
-
-from deformable_detr.training.optimizer import AdamW, clip_and_update
 
 native = pytest.mark.skipif(
     kernels.native.module() is None, reason=f"the C++ extension is not built: {kernels.native.missing()}"

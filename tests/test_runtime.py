@@ -12,9 +12,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from kernels import blas
-
 from deformable_detr import runtime
+from kernels import blas
 
 import mlx.core as mx
 import numpy as np
@@ -54,9 +53,7 @@ for warning in caught:
 
 def run_program(imports: str, **settings) -> tuple[str, int, int, list[str]]:
     environment = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", *runtime.MALLOC)
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", *runtime.MALLOC)
     }
     environment["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
