@@ -363,6 +363,24 @@ def test_a_backward_pass_oneDNN_has_no_fast_or_right_kernel_for_is_the_patches(
         assert_close(g, r, 1e-5)
 
 
+def test_a_weights_gradient_over_a_long_reduction_is_the_products(rng):
+    """A linear's and a convolution's weight gradient over 4,100 and 4,608 rows, a long reduction (on AVX2
+    MLX's product on OpenBLAS and the patches' for the convolution): against float64 and MLX's."""
+    x = rng.standard_normal((4100, 48)).astype(np.float32)
+    g = rng.standard_normal((4100, 40)).astype(np.float32)
+    w = mx.array(rng.standard_normal((40, 48)).astype(np.float32))
+    got = mx.grad(lambda w: (onednn.linear(mx.array(x), w) * mx.array(g)).sum())(w)
+    want = g.astype(np.float64).T @ x.astype(np.float64)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-3)
+
+    images = mx.array(rng.standard_normal((2, 48, 48, 16)).astype(np.float32))
+    weight = mx.array(rng.standard_normal((24, 3, 3, 16)).astype(np.float32))
+    cotangent = mx.array(rng.standard_normal((2, 48, 48, 24)).astype(np.float32))
+    got = mx.grad(lambda w: (onednn.conv2d(images, w, 1, 1, 1) * cotangent).sum())(weight)
+    want = mx.grad(lambda w: (mx.conv2d(images, w, 1, 1, 1) * cotangent).sum())(weight)
+    assert_close(got, want, 1e-5)
+
+
 def test_a_shape_it_has_only_im2col_for_is_mlxs(rng):
     """A 7 x 7 stem on a one-pixel-wide image: oneDNN 3.2 offers only its im2col + GEMM there (which
     crashed): refused, and the model's convolution computes it with MLX, gradients included."""
