@@ -53,7 +53,9 @@ for warning in caught:
 
 def run_program(imports: str, **settings) -> tuple[str, int, int, list[str]]:
     environment = {
-        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", *runtime.MALLOC)
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", *runtime.MALLOC, runtime.ARENA_VARIABLE)
     }
     environment["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
@@ -136,7 +138,7 @@ with tempfile.NamedTemporaryFile("r") as report:
 
 
 def arenas(imports: str, **settings) -> int:
-    environment = {k: v for k, v in os.environ.items() if k not in runtime.MALLOC}
+    environment = {k: v for k, v in os.environ.items() if k not in (*runtime.MALLOC, runtime.ARENA_VARIABLE)}
     done = subprocess.run(
         [sys.executable, "-c", ARENAS_PROGRAM.format(imports=imports, threads=2 * runtime.ARENAS + 2)],
         capture_output=True,
