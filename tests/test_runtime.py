@@ -51,22 +51,24 @@ for warning in caught:
 """
 
 
-def run_program(imports: str, **settings) -> tuple[str, int, int, list[str]]:
-    environment = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", *runtime.MALLOC, runtime.ARENA_VARIABLE)
-    }
-    environment["PYTHONPATH"] = str(ROOT)
+def run_python(source: str, **settings) -> str:
+    """`source` run by a fresh Python in the checkout, this process's environment without the variables
+    the set-up reads (but `settings`) -> what it printed."""
+    ours = ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", *runtime.MALLOC, runtime.ARENA_VARIABLE)
+    environment = {k: v for k, v in os.environ.items() if k not in ours}
     done = subprocess.run(
-        [sys.executable, "-c", PROGRAM.format(imports=imports)],
+        [sys.executable, "-c", source],
         capture_output=True,
         text=True,
-        env={**environment, **settings},
+        env={**environment, "PYTHONPATH": str(ROOT), **settings},
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
-    head, *told = done.stdout.splitlines()
+    return done.stdout
+
+
+def run_program(imports: str, **settings) -> tuple[str, int, int, list[str]]:
+    head, *told = run_python(PROGRAM.format(imports=imports), **settings).splitlines()
     in_use, count, faults = head.split("|")
     return in_use, int(count), int(faults), told
 
@@ -138,23 +140,14 @@ with tempfile.NamedTemporaryFile("r") as report:
 
 
 def arenas(imports: str, **settings) -> int:
-    environment = {k: v for k, v in os.environ.items() if k not in (*runtime.MALLOC, runtime.ARENA_VARIABLE)}
-    done = subprocess.run(
-        [sys.executable, "-c", ARENAS_PROGRAM.format(imports=imports, threads=2 * runtime.ARENAS + 2)],
-        capture_output=True,
-        text=True,
-        env={**environment, "PYTHONPATH": str(ROOT), **settings},
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout)
+    return int(run_python(ARENAS_PROGRAM.format(imports=imports, threads=2 * runtime.ARENAS + 2), **settings))
 
 
 @linux
 def test_freed_memory_is_kept_in_at_most_one_heap_a_core():
-    """Each heap keeps its own freed memory: glibc's up to 8 a core made an R50 step over new image shapes
-    grow by tens of MiB (issue 61). After the package's import, twice as many threads at once as
-    runtime.ARENAS (one a core, at least 2) share that many."""
+    """Each heap keeps its own freed memory, and glibc makes up to 8 a core (hundreds on a many-core
+    server; runtime.py). After the package's import, twice as many threads at once as runtime.ARENAS (one
+    a core, at least 2) share that many."""
     assert arenas("import mlx.core") > runtime.ARENAS  # glibc's own limit: 8 a core
     assert arenas("import deformable_detr") == runtime.ARENAS
     assert arenas("import deformable_detr", MALLOC_ARENA_MAX="1") == 1  # a user's own setting stays theirs
