@@ -13,7 +13,7 @@ MLX's active memory, oneDNN's plan counts, and the seconds of a new shape's firs
 shape's second (JIT compilation of oneDNN's kernels, plan making, MLX's graph). The bar (issue 61): the
 growth with oneDNN within 10% of the growth without (or 10 MiB), judged twice: from the first shape,
 and from the tenth, once the heap has met the model's sizes. The first is bimodal from run to run of
-the same code and shapes (the R50 step as AVX2: +3 to +5 MiB in some runs, +32 to +42 in others,
+the same code and shapes (the R50 step as AVX2: +3 to +8 MiB in some runs, +32 to +42 in others,
 all of it within the first ten shapes: how glibc's heap happened to be laid out by the first step);
 the second is the one that would grow without bound. In inference a Detector also keeps its weights'
 copies in the layouts oneDNN's kernels want (kernels.onednn.kept_weights, at most
