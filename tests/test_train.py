@@ -84,7 +84,11 @@ def test_zero_sampling_offsets_gradient_stops_the_first_step(shapes, tmp_path, m
     def blind(value, shapes_, start, locations, weights, **kwargs):
         return kernels.ms_deform_attn(value, shapes_, start, mx.stop_gradient(locations), weights, **kwargs)
 
-    monkeypatch.setattr(module, "kernels", types.SimpleNamespace(ms_deform_attn=blind, softmax=kernels.softmax))
+    monkeypatch.setattr(
+        module,
+        "kernels",
+        types.SimpleNamespace(ms_deform_attn=blind, softmax=kernels.softmax, masked_scale=kernels.masked_scale),
+    )
     with pytest.raises(
         SystemExit,
         match=r"^error: sampling_offsets gradient is zero .*encoder\.layers\.0\.self_attn\.sampling_offsets = 0\.0",
