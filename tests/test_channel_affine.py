@@ -1,7 +1,7 @@
 """`kernels.channel_affine` against MLX's own ops (x * scale + shift, + residual, max(., 0)): bit for
 bit with and without each part, at non-finite inputs and signed zeros, over threads; its gradients
-against MLX's; the frozen batch norm of the backbone the same in eval mode (the kernel) as in
-training (MLX's ops)."""
+against MLX's; `recompute.channel_affine` (training's, whose backward reads the output) with MLX's
+ops' gradients; the frozen batch norm of the backbone the same in eval mode as in training."""
 
 import sys
 
@@ -9,6 +9,7 @@ import kernels
 from kernels import native
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -93,8 +94,35 @@ def test_channel_affine_of_other_dtypes_is_mlx_ops(rng):
     )
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("relu", [False, True])
+def test_recomputed_channel_affine_has_mlx_ops_gradients(with_residual, relu, rng):
+    """Training's op, whose backward is (g where the output is positive) * scale: MLX's ops' output and
+    gradients, x's and the residual's bit for bit (a zero's sign aside), the scale's and shift's too."""
+    from deformable_detr.models import recompute
+
+    x, scale, shift, residual = arrays(rng, (2, 6, 5, 16))
+    x, residual = mx.nan_to_num(x), mx.nan_to_num(residual)  # finite: the gradients' sums compared
+    scale, shift = mx.nan_to_num(scale), mx.nan_to_num(shift)
+    primals = [x, scale, shift, residual] if with_residual else [x, scale, shift]
+    cotangent = mx.array(rng.standard_normal((2, 6, 5, 16)).astype(np.float32))
+
+    def run(f):
+        return mx.vjp(lambda *a: f(*a[:3], a[3] if with_residual else None, relu=relu), primals, [cotangent])
+
+    (got,), got_grads = run(recompute.channel_affine)
+    (want,), want_grads = run(mlx_ops)
+    assert_bits(got, want)
+    for name, g, w in zip(("x", "scale", "shift", "residual"), got_grads, want_grads, strict=False):
+        if name in ("x", "residual"):
+            np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=name)
+        else:
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_frozen_batch_norm_is_the_same_in_eval_mode_as_in_training(rng):
-    """Eval mode takes the kernel, training MLX's ops and recompute.relu: a ResNet-50's outputs agree bit for bit."""
+    """Eval mode takes the kernel, training recompute.channel_affine: a ResNet-50's outputs agree bit for
+    bit, and in training its weights' gradients are those of MLX's ops (x * scale + shift, + residual, ReLU)."""
     from deformable_detr.models.backbone import ResNet
 
     from mlx.utils import tree_flatten, tree_unflatten
@@ -113,6 +141,22 @@ def test_frozen_batch_norm_is_the_same_in_eval_mode_as_in_training(rng):
     trained = net(x)
     for got, want in zip(evaluated, trained, strict=True):
         assert_bits(got, want)
+
+    from deformable_detr.models.precision import FrozenBatchNorm2d
+
+    def loss(model, x):
+        return sum((y * y).mean() for y in model(x))
+
+    def with_mlx_ops(self, x, residual=None, relu=False):
+        scale = self.weight * mx.rsqrt(self.running_var + self.eps)
+        return mlx_ops(x, scale, self.bias - self.running_mean * scale, residual, relu)
+
+    _, grads = nn.value_and_grad(net, loss)(net, x)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FrozenBatchNorm2d, "__call__", with_mlx_ops)
+        _, want = nn.value_and_grad(net, loss)(net, x)
+    for (name, g), (_, w) in zip(tree_flatten(grads), tree_flatten(want), strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

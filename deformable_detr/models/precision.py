@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import kernels
-from kernels.channel_affine import with_mlx_ops
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,9 +56,9 @@ class GroupNorm(nn.GroupNorm):
 
 class FrozenBatchNorm2d(nn.Module):
     """Batch norm with fixed statistics and affine parameters (never trained), and what follows it in
-    a ResNet block: `residual` added, then `relu`. In eval mode these are `kernels.channel_affine`
-    (one pass on every core, where MLX's ops made four on one); in training MLX's ops and
-    `recompute.relu`, which keeps only its output for the backward. The same numbers either way."""
+    a ResNet block: `residual` added, then `relu`: `kernels.channel_affine` (one pass on every core,
+    where MLX's ops made four on one); in training `recompute.channel_affine`, the same op, whose
+    backward keeps only its output. The same numbers either way."""
 
     def __init__(self, channels: int, eps: float = 1e-5):
         super().__init__()
@@ -76,8 +75,7 @@ class FrozenBatchNorm2d(nn.Module):
         scale = to(scale, x.dtype)
         if not self.training:
             return kernels.channel_affine(x, scale, shift, residual, relu)
-        y = with_mlx_ops(x, scale, shift, residual)
-        return recompute.relu(y) if relu else y
+        return recompute.channel_affine(x, scale, shift, residual, relu)
 
 
 def _kept_in_float32(module) -> bool:
