@@ -12,9 +12,10 @@ each layer's recomputation (which they need) stayed alive until the end of the b
 6 checkpointed encoder layers of the R50 model at 512 x 683 kept 2.4 GiB, as many as without
 checkpointing; with the ordering below, 1.0 GiB).
 
-What the backward keeps without recomputation is made smaller too: `relu`, and `Dropout`
-after a ReLU, take their gradients from their outputs (as PyTorch's ReLU does), so their inputs are
-freed after the forward (an encoder layer's FFN keeps one (L, 1024) activation, not two and a mask)."""
+What the backward keeps without recomputation is made smaller too: `relu`, `channel_affine` (the
+backbone's frozen batch norms) and `Dropout` after a ReLU take their gradients from their outputs (as
+PyTorch's ReLU does), so their inputs are freed after the forward (an encoder layer's FFN keeps one
+(L, 1024) activation, not two and a mask)."""
 
 from contextlib import contextmanager
 from functools import cache
