@@ -72,13 +72,18 @@ def channel_affine(x, scale, shift, residual=None, relu: bool = False):
     """`kernels.channel_affine` (a frozen batch norm, + residual, ReLU) whose backward reads its output
     and the scale, not x: the forward in one pass on every core (where MLX's ops made three on one),
     the input gradient (g where the output is positive) * scale in one more."""
-    return _channel_affine(relu, residual is not None)(x, scale, shift, *([] if residual is None else [residual]))
+    return _channel_affine(relu)(x, scale, shift, *([] if residual is None else [residual]))
 
 
 @cache
-def _channel_affine(relu: bool, with_residual: bool):
-    def vjp(primals, cotangent, output):
-        x, scale, shift = primals[:3]
+def _channel_affine(relu: bool):
+    @mx.custom_function
+    def affine(x, scale, shift, *residual):
+        return kernels.channel_affine(x, scale, shift, residual[0] if residual else None, relu)
+
+    @affine.vjp
+    def affine_vjp(primals, cotangent, output):
+        x, scale, shift, *residual = primals
         g = kernels.scale_where_positive(cotangent, output) if relu else cotangent
         channel_rows = (-1, x.shape[-1])
         # the scale's and shift's gradients read x: built for MLX's autodiff, which drops them unevaluated
@@ -88,21 +93,8 @@ def _channel_affine(relu: bool, with_residual: bool):
             (g * x).reshape(channel_rows).sum(0),
             g.reshape(channel_rows).sum(0),
         )
-        return grads + ((g,) if with_residual else ())
+        return grads + ((g,) if residual else ())
 
-    if with_residual:
-
-        @mx.custom_function
-        def affine(x, scale, shift, residual):
-            return kernels.channel_affine(x, scale, shift, residual, relu)
-
-    else:
-
-        @mx.custom_function
-        def affine(x, scale, shift):
-            return kernels.channel_affine(x, scale, shift, None, relu)
-
-    affine.vjp(vjp)
     return affine
 
 
