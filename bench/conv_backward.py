@@ -1,8 +1,10 @@
 """Which way each backward pass of an R50 training step runs fastest here: oneDNN's kernel or the patches
 (im2col / col2im on every core and the BLAS's products, models/backbone.py's own convolution), for every
-trainable convolution's backward data and backward weights; and oneDNN's product against the BLAS's
-(MLX's matmul) for the linears' weight gradients. What kernels/native/onednn.cpp's rules
-(`slower_than_patches`, `gradient_product`) were read from, and what shows they still hold.
+trainable convolution's backward data and backward weights; oneDNN's product against the BLAS's
+(MLX's matmul) for the linears' weight gradients; and for their other products (x W^T, and g W for the
+input's gradient) oneDNN's matmul against its 1 x 1 convolution and the BLAS. What
+kernels/native/onednn.cpp's rules (`slower_than_patches`, `gradient_product`, `plan_convolution`) were
+read from, and what shows they still hold.
 
     python bench/conv_backward.py [--size 512x683] [--repeats 5] [--output bench/results/conv_backward_cpu.txt]
 
@@ -124,6 +126,32 @@ def product_rows(size, repeats) -> list[str]:
     return lines
 
 
+def linear_rows(size, repeats) -> list[str]:
+    """The encoder's linears' products (rows, k) x (k, n) at batch 2: oneDNN's matmul (the variable above
+    keeps it from the 1 x 1 convolution), its 1 x 1 convolution of the same memory, the BLAS's; GFLOP/s."""
+    rows_count = 2 * sum(
+        (size[0] // s + (size[0] % s > 0)) * (size[1] // s + (size[1] % s > 0)) for s in (8, 16, 32, 64)
+    )
+    extension = kernels.onednn.module()
+    lines = []
+    for k, n in ((1024, 256), (256, 1024), (256, 256), (256, 128), (128, 256)):
+        a, w = mx.random.normal((rows_count, k)), mx.random.normal((n, k)) * 0.05
+        ways = {
+            "matmul": lambda a=a, w=w: extension.product(a, w, None, False, True, False, None, 2),
+            "conv": lambda a=a, w=w: extension.conv2d(a[None, None], w[:, None, None], 1, 0, 1, False, None, 2),
+            "blas": lambda a=a, w=w: a @ w.T,
+        }
+        flop = 2 * rows_count * k * n / 1e6
+        rates = {name: flop / median_ms(run, repeats) for name, run in ways.items()}
+        matmul = extension.product_implementation(a, w, None, False, True)
+        pick = "1 x 1 convolution" if matmul.startswith("gemm:jit") and k >= 4 * n else matmul
+        lines.append(
+            f"| {rows_count}x{k} @ {k}x{n} | {matmul} | {rates['matmul']:.0f} | {rates['conv']:.0f} "
+            f"| {rates['blas']:.0f} | {pick} |"
+        )
+    return lines
+
+
 def main(argv=None):
     parser = bench_parser(__doc__, "512x683", "conv_backward_cpu.txt", 5)
     args = parser.parse_args(argv)
@@ -153,6 +181,12 @@ def main(argv=None):
         "| product | oneDNN | BLAS |",
         "| --- | ---: | ---: |",
         *product_rows(size, args.repeats),
+        "",
+        "The linears' products and their inputs' gradients: oneDNN's matmul, its 1 x 1 convolution, the BLAS, GFLOP/s:",
+        "",
+        "| product | oneDNN's matmul | matmul | 1 x 1 convolution | BLAS | the plan's |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+        *linear_rows(size, args.repeats),
         "",
         f"load average at the end: {load_average()}",
     ]

@@ -338,7 +338,14 @@ BACKWARD_ON_AVX2 = [  # (kernel, stride, dilation, size, channels in, the backwa
     (1, 2, 1, (10, 12), 5, "brgconv_strided:avx2; patches (its backward weights: oneDNN 3.2's jit_1x1:avx2 is wrong"),
     (1, 2, 1, (10, 12), 32, "brgconv_strided:avx2; patches (oneDNN's jit_1x1:avx2 is slower than the patches)"),
     (3, 1, 1, (10, 12), 32, f"{SLOWER}; {SLOWER}"),
-    (1, 1, 1, (10, 12), 64, "brg_fwd:avx2+brgconv_1x1:avx2; patches (oneDNN's jit_1x1:avx2 is slower than the patches)"),
+    (
+        1,
+        1,
+        1,
+        (10, 12),
+        64,
+        "brg_fwd:avx2+brgconv_1x1:avx2; patches (oneDNN's jit_1x1:avx2 is slower than the patches)",
+    ),
 ]
 
 
@@ -379,6 +386,52 @@ def test_a_weights_gradient_over_a_long_reduction_is_the_products(rng):
     got = mx.grad(lambda w: (onednn.conv2d(images, w, 1, 1, 1) * cotangent).sum())(weight)
     want = mx.grad(lambda w: (mx.conv2d(images, w, 1, 1, 1) * cotangent).sum())(weight)
     assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_products_with_a_long_reduction_against_their_width_are_the_products(bias, rng):
+    """Where oneDNN's float32 product is its sgemm (AVX2), one whose reduction is at least 4 times its width
+    runs as a 1 x 1 convolution: a linear of 512 -> 96 (its forward, the weight stored (n, k)) and one of
+    96 -> 512 (its input's gradient, the weight stored (k, n)), against float64, gradients included."""
+    x = rng.standard_normal((333, 512)).astype(np.float32)
+    w = (rng.standard_normal((96, 512)) / 512**0.5).astype(np.float32)
+    b = rng.standard_normal(96).astype(np.float32) if bias else None
+    g = rng.standard_normal((333, 96)).astype(np.float32)
+    args = [mx.array(x), mx.array(w)] + ([mx.array(b)] if bias else [])
+    kernel = onednn.module().product_implementation(args[0], args[1], args[2] if bias else None, False, True)
+    if kernel.startswith("gemm:jit") or "(gemm:jit" in kernel:
+        assert kernel.startswith("brgconv_1x1"), kernel
+
+    def loss(*a):
+        return (onednn.linear(*a) * mx.array(g)).sum()
+
+    want = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)
+    np.testing.assert_allclose(np.array(onednn.linear(*args)), want, rtol=1e-5, atol=1e-4)
+    got = mx.grad(loss, tuple(range(len(args))))(*args)
+    np.testing.assert_allclose(np.array(got[0]), g.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.array(got[1]), g.T.astype(np.float64) @ x, rtol=1e-5, atol=1e-3)
+    if bias:
+        np.testing.assert_allclose(np.array(got[2]), g.sum(0, dtype=np.float64), rtol=1e-5, atol=1e-4)
+
+    # 96 -> 512: the input's gradient is (333, 512) x (512, 96), the weight (512, 96) as stored
+    wide = (rng.standard_normal((512, 96)) / 96**0.5).astype(np.float32)
+    h = rng.standard_normal((333, 512)).astype(np.float32)
+    stored = onednn.module().product_implementation(mx.array(h), mx.array(wide), None, False, False)
+    if "gemm:jit" in stored:
+        assert stored.startswith("brgconv_1x1"), stored
+    got = mx.grad(lambda v: (onednn.linear(v, mx.array(wide)) * mx.array(h)).sum())(mx.array(x[:, :96]))
+    np.testing.assert_allclose(np.array(got), h.astype(np.float64) @ wide, rtol=1e-5, atol=1e-4)
+
+    # where a Detector keeps its weights' copies (inference), the product: the convolution's weight layout
+    # would be one more copy of each weight kept
+    inference = onednn.module().product_implementation(args[0], args[1], args[2] if bias else None, False, True,
+                                                       False, True)
+    assert not inference.startswith("brgconv"), inference
+    kept = onednn.kept_weights()
+    with onednn.products_in(mx.float32, kept):
+        np.testing.assert_allclose(np.array(onednn.linear(*args)), want, rtol=1e-5, atol=1e-4)
+    if kernel.startswith("brgconv_1x1"):
+        assert kept.count == 0  # the sgemm reads the weight as stored; the convolution would have kept a copy
 
 
 def test_a_shape_it_has_only_im2col_for_is_mlxs(rng):

@@ -286,13 +286,18 @@ struct ConvShape {
 // up to 8x, R50's shapes) and on any ISA for a strided 1 x 1 (1.2-1.6x); its brgemm kernels do not
 // (bench/conv_backward.py; bench/results/cpu/*/conv_backward_cpu.txt). Float32 only: the patches have no
 // bfloat16.
-std::string slower_than_patches(const std::string& kernel, const ConvShape& s) {
-  // DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES=1 keeps them on oneDNN: for bench/conv_backward.py to time both
+// DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES=1 keeps every pass and product on oneDNN's own kernel for it: for
+// bench/conv_backward.py to time both ways.
+bool keep_slower_passes() {
   static const bool keep = [] {
     const char* value = std::getenv("DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES");
     return value != nullptr && std::string(value) == "1";
   }();
-  const bool direct_jit = !keep && (kernel.rfind("jit:", 0) == 0 || kernel.rfind("jit_1x1:", 0) == 0);
+  return keep;
+}
+
+std::string slower_than_patches(const std::string& kernel, const ConvShape& s) {
+  const bool direct_jit = !keep_slower_passes() && (kernel.rfind("jit:", 0) == 0 || kernel.rfind("jit_1x1:", 0) == 0);
   if (!direct_jit || s.product != dt::f32 || s.x_type != dt::f32 || s.w_type != dt::f32) return "";
   if (kernel.size() > 5 && kernel.compare(kernel.size() - 5, 5, ":avx2") == 0) {
     return "oneDNN's " + kernel + " is slower than the patches";
@@ -518,10 +523,11 @@ struct ProductShape {
   int m, k, n;
   bool transpose_a, transpose_b, bias;
   dt a_type, b_type, bias_type, product;
+  bool weights_kept = false;  // b is a weight whose copies in oneDNN's layouts a Detector keeps (inference)
   std::string key() const {
     std::string key;
     for (int v : {m, k, n, int(transpose_a), int(transpose_b), int(bias), int(a_type), int(b_type), int(bias_type),
-                  int(product)}) {
+                  int(product), int(weights_kept)}) {
       key += std::to_string(v) + ",";
     }
     return key;
@@ -540,7 +546,48 @@ struct ProductPlan {
   std::string refused;  // as ConvPlan's
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul product;
+  // Where set, the product runs as a 1 x 1 convolution of one image of 1 x m pixels of k channels (see below).
+  std::optional<dnnl::convolution_forward::primitive_desc> convolution_pd;
+  dnnl::convolution_forward convolution;
 };
+
+// oneDNN 3.2's float32 products on AVX2 have its sgemm only (gemm:jit), which ran products whose reduction is
+// long against their width at 130-150 GFLOP/s ((14640, 1024) x (1024, 256): an FFN's second layer, and the
+// first's backward data) where its 1 x 1 convolution (brgconv_1x1:avx2) ran the same at 170-205 and OpenBLAS at
+// 150-180, while for (14640, 256) x (256, 1024) the sgemm was as fast or faster (bench/conv_backward.py).
+// A row-major (m, k) is an image (1, k, 1, m) in nhwc, the result (1, n, 1, m) likewise: the same memory.
+constexpr int CONVOLUTION_FROM_REDUCTION_OVER_WIDTH = 4;
+
+void plan_convolution(const ProductShape& s, ProductPlan& plan) {
+  const bool float32 =
+      s.a_type == dt::f32 && s.b_type == dt::f32 && s.product == dt::f32 && (!s.bias || s.bias_type == dt::f32);
+  // Not where a Detector keeps its weights' copies (inference): the convolution wants each weight in a blocked
+  // layout of its own (one more copy kept, and another for each layout it picks for a new row count): the
+  // quick start's model over 300 image sizes as AVX2 kept 59 copies against 46 and grew 37-39 MiB from the
+  // tenth size against 26 (bench/shape_memory.py). In training the weight is reordered at each call (for
+  // (256, 1024), 1 MB, about 0.2 ms).
+  if (keep_slower_passes() || !float32 || s.weights_kept || s.transpose_a ||
+      s.k < CONVOLUTION_FROM_REDUCTION_OVER_WIDTH * s.n ||
+      std::string(plan.pd.impl_info_str()).rfind("gemm:jit", 0) != 0) {
+    return;
+  }
+  try {
+    const dnnl::memory::desc src({1, s.k, 1, s.m}, dt::f32, tag::nhwc), dst({1, s.n, 1, s.m}, dt::f32, tag::nhwc);
+    const dnnl::memory::desc weights({s.n, s.k, 1, 1}, dt::f32, tag::any);
+    const auto prop = dnnl::prop_kind::forward_inference;
+    const auto direct = dnnl::algorithm::convolution_direct;
+    auto pd = s.bias ? dnnl::convolution_forward::primitive_desc(engine(), prop, direct, src, weights,
+                                                                 s.bias_desc().reshape({s.n}), dst, {1, 1}, {0, 0},
+                                                                 {0, 0}, attributes())
+                     : dnnl::convolution_forward::primitive_desc(engine(), prop, direct, src, weights, dst, {1, 1},
+                                                                 {0, 0}, {0, 0}, attributes());
+    if (std::string(pd.impl_info_str()).rfind("brgconv", 0) != 0) return;  // not the kernel measured
+    plan.convolution = dnnl::convolution_forward(pd);
+    plan.convolution_pd = pd;
+  } catch (const std::exception&) {
+    // none: the sgemm it is
+  }
+}
 
 Plans<ProductPlan>& product_plans() {
   static Plans<ProductPlan> plans;
@@ -557,6 +604,7 @@ std::shared_ptr<ProductPlan> product_plan(const ProductShape& s) {
                                                        s.out_desc(), attributes());
       plan->refused = refusal(plan->pd, "this matrix product");
       if (plan->refused.empty()) plan->product = dnnl::matmul(plan->pd);
+      if (plan->refused.empty()) plan_convolution(s, *plan);
     } catch (const std::exception& error) {
       plan->refused = error.what();
     }
@@ -577,6 +625,18 @@ class Product : public mx::UnaryPrimitive {
                       bias = s_.bias ? inputs[2].data<void>() : nullptr,
                       result = out.data<void>()]() {
       omp_set_num_threads(threads);
+      if (plan->convolution_pd) {
+        const auto& pd = *plan->convolution_pd;
+        // b as the convolution's (n, k, 1, 1) weight: stored (n, k) where transposed, else (k, n)
+        const dnnl::memory::desc given({s.n, s.k, 1, 1}, dt::f32,
+                                       s.transpose_b ? dims{s.k, 1, s.k, s.k} : dims{1, s.n, s.n * s.k, s.n * s.k});
+        auto wei = weight_as_wanted(kept, source, b, given, pd.weights_desc());
+        dnnl::memory src(pd.src_desc(), engine(), const_cast<void*>(a)), dst(pd.dst_desc(), engine(), result);
+        std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
+        if (s.bias) args.insert({DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), engine(), const_cast<void*>(bias))});
+        execute(plan->convolution, pd.scratchpad_desc(), std::move(args));
+        return;
+      }
       auto src = as_wanted(s.a_desc(s.a_type), a, plan->pd.src_desc());
       auto wei = weight_as_wanted(kept, source, b, s.b_desc(s.b_type), plan->pd.weights_desc());
       dnnl::memory dst(plan->pd.dst_desc(), engine(), result);
@@ -677,7 +737,8 @@ std::optional<array> conv2d(const array& x, const array& weight, int stride, int
 
 std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
                              bool transpose_b, bool bfloat16, const KeptWeights* kept, int threads) {
-  const ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
+  ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
+  s.weights_kept = kept != nullptr;
   auto plan = product_plan(s);
   if (!plan->refused.empty()) return std::nullopt;
   return product_array(s, std::move(plan), a, b, bias, kept ? kept->copies : nullptr, threads);
@@ -719,6 +780,17 @@ std::string conv2d_implementation(const array& x, const array& weight, int strid
   };
   return forward + "; " + pass(plan->data_refused, plan->data_pd ? plan->data_pd.impl_info_str() : "") + "; " +
          pass(plan->weights_refused, plan->weights_pd ? plan->weights_pd.impl_info_str() : "");
+}
+
+std::string product_implementation(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
+                                   bool transpose_b, bool bfloat16, bool weights_kept) {
+  ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
+  s.weights_kept = weights_kept;
+  auto plan = product_plan(s);
+  if (!plan->refused.empty()) return "refused: " + plan->refused;
+  const std::string product = plan->pd.impl_info_str();
+  if (!plan->convolution_pd) return product;
+  return std::string(plan->convolution_pd->impl_info_str()) + ", as a 1 x 1 convolution (" + product + ")";
 }
 
 // {"convolutions", "products": plans kept; "capacity" of each; "onednn_capacity": of oneDNN's primitive

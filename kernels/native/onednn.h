@@ -38,6 +38,11 @@ std::optional<array> product(const array& a, const array& b, const std::optional
 std::string describe();
 std::string conv2d_implementation(const array& x, const array& weight, int stride, int padding, int dilation,
                                   bool bfloat16, bool backward);
+// The implementation the product op(a) @ op(b) (+ bias) runs on ("gemm:jit:f32"; a 1 x 1 convolution's, with the
+// product's it stands in for: "brgconv_1x1:avx2, as a 1 x 1 convolution (gemm:jit:f32)"), or why it is refused;
+// `weights_kept`: as a Detector runs it, its weights' copies kept (inference).
+std::string product_implementation(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
+                                   bool transpose_b, bool bfloat16, bool weights_kept);
 std::unordered_map<std::string, size_t> caches();
 void set_capacity(size_t plans);
 

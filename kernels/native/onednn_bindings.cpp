@@ -28,6 +28,8 @@ NB_MODULE(_onednn, m) {
   m.def("describe", &kernels_onednn::describe);
   m.def("conv2d_implementation", &kernels_onednn::conv2d_implementation, "x"_a, "weight"_a, "stride"_a, "padding"_a,
         "dilation"_a, "bfloat16"_a, "backward"_a = false);
+  m.def("product_implementation", &kernels_onednn::product_implementation, "a"_a, "b"_a, "bias"_a.none(),
+        "transpose_a"_a, "transpose_b"_a, "bfloat16"_a = false, "weights_kept"_a = false);
   m.def("caches", &kernels_onednn::caches);
   m.def("set_capacity", &kernels_onednn::set_capacity, "plans"_a);
 }
