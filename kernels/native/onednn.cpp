@@ -699,7 +699,7 @@ ConvShape conv_shape(const array& x, const array& w, int stride, int padding, in
 }
 
 ProductShape product_shape(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
-                           bool transpose_b, bool bfloat16) {
+                           bool transpose_b, bool bfloat16, bool weights_kept = false) {
   if (a.ndim() != 2 || b.ndim() != 2) throw std::invalid_argument("kernels._onednn product: two matrices");
   const int m = transpose_a ? a.shape(1) : a.shape(0), k = transpose_a ? a.shape(0) : a.shape(1);
   const int kb = transpose_b ? b.shape(1) : b.shape(0), n = transpose_b ? b.shape(0) : b.shape(1);
@@ -709,7 +709,7 @@ ProductShape product_shape(const array& a, const array& b, const std::optional<a
   const dt a_type = dnnl_type(a.dtype()), b_type = dnnl_type(b.dtype());
   const dt product_type = (bfloat16 || a_type == dt::bf16 || b_type == dt::bf16) ? dt::bf16 : dt::f32;
   return {m, k, n, transpose_a, transpose_b, bool(bias), a_type, b_type, bias ? dnnl_type(bias->dtype()) : dt::f32,
-          product_type};
+          product_type, weights_kept};
 }
 
 array product_array(const ProductShape& s, std::shared_ptr<ProductPlan> plan, const array& a, const array& b,
@@ -737,8 +737,7 @@ std::optional<array> conv2d(const array& x, const array& weight, int stride, int
 
 std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
                              bool transpose_b, bool bfloat16, const KeptWeights* kept, int threads) {
-  ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
-  s.weights_kept = kept != nullptr;
+  const ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16, kept != nullptr);
   auto plan = product_plan(s);
   if (!plan->refused.empty()) return std::nullopt;
   return product_array(s, std::move(plan), a, b, bias, kept ? kept->copies : nullptr, threads);
@@ -784,9 +783,7 @@ std::string conv2d_implementation(const array& x, const array& weight, int strid
 
 std::string product_implementation(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
                                    bool transpose_b, bool bfloat16, bool weights_kept) {
-  ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16);
-  s.weights_kept = weights_kept;
-  auto plan = product_plan(s);
+  auto plan = product_plan(product_shape(a, b, bias, transpose_a, transpose_b, bfloat16, weights_kept));
   if (!plan->refused.empty()) return "refused: " + plan->refused;
   const std::string product = plan->pd.impl_info_str();
   if (!plan->convolution_pd) return product;
