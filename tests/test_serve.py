@@ -5,6 +5,7 @@ under way complete and exits 0."""
 
 import io
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -23,6 +24,12 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (the dev ext
 pytest.importorskip("starlette", reason="the serve extra (starlette, uvicorn, python-multipart) is not installed")
 
 
+def exits_0(process: subprocess.Popen, timeout: float = 60) -> None:
+    """The server ended with exit status 0; else the assertion shows the end of what it printed."""
+    output = process.communicate(timeout=timeout)[0]
+    assert process.returncode == 0, f"exit status {process.returncode}; the server printed:\n{output[-6000:]}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,7 +40,11 @@ def start(checkpoint, *options) -> tuple[subprocess.Popen, str]:
     """The server in its own process on a free loopback port, once /healthz says it is ready."""
     port = free_port()
     command = [sys.executable, "-m", "deformable_detr.serve", "--checkpoint", str(checkpoint), "--port", str(port)]
-    process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # faulthandler: a fatal signal (a crash on the way out) prints every thread's Python stack into the output
+    environment = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    process = subprocess.Popen(
+        [*command, *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
@@ -54,7 +65,7 @@ def served(trained):  # noqa: F811
     process, url = start(checkpoint, "--max-batch", "8", "--max-wait-ms", "300", "--max-body-mb", "1")
     yield url, root, Detector.load(checkpoint)
     process.terminate()
-    assert process.wait(timeout=60) == 0
+    exits_0(process)
 
 
 def assert_same_answer(got: dict, alone: dict):
@@ -190,6 +201,6 @@ def test_sigterm_lets_requests_under_way_complete_and_exits_0(trained):  # noqa:
         process.send_signal(signal.SIGTERM)
         answers = [future.result(timeout=120) for future in pending]
     assert [answer.status_code for answer in answers] == [200] * 4
-    assert process.wait(timeout=60) == 0
+    exits_0(process)
     with pytest.raises(httpx.HTTPError):  # gone: nothing listens there any more
         httpx.get(f"{url}/healthz", timeout=2)

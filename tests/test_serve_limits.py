@@ -16,7 +16,7 @@ from deformable_detr import Detector, build_model, load_config
 import mlx.core as mx
 import pytest
 from PIL import Image
-from test_serve import detect, start
+from test_serve import detect, exits_0, start
 from test_train import TINY
 
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (the dev extra)")
@@ -46,7 +46,7 @@ def served(checkpoint):
     process, url = start(checkpoint, *options)
     yield process, url
     process.terminate()
-    assert process.wait(timeout=60) == 0
+    exits_0(process)
 
 
 def png(width: int, height: int, mode: str = "RGB") -> bytes:
@@ -260,7 +260,7 @@ def test_sigterm_with_a_stalled_client_exits_0_within_the_shutdown_timeout(check
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
     try:
-        assert process.wait(timeout=20) == 0
+        exits_0(process, timeout=20)
         assert time.monotonic() - sent < 2 + 3  # the shutdown timeout, the lifespan's end and the exit
     finally:
         process.kill()
