@@ -174,6 +174,11 @@ class CMakeBuild(build_ext):
             subprocess.run(configure, check=True)
             subprocess.run(build, check=True)
         except (OSError, subprocess.CalledProcessError) as error:
+            # No stamp for a failed build, and the last one's goes: CMake may have made some of the files
+            # (the module, not a companion that failed to compile), and a stamp naming them would let the
+            # next install reuse them beside the source tree's stale companion.
+            self._failed = {*getattr(self, "_failed", set()), ext.name}
+            self._stamp_path(ext).unlink(missing_ok=True)
             raise CompileError(f"{ext.name}: {error}") from error
 
     def copy_extensions_to_source(self):
@@ -181,8 +186,8 @@ class CMakeBuild(build_ext):
         for ext in self.extensions:
             built = Path(self.build_lib, self.get_ext_filename(ext.name)).parent
             module = Path(self.get_ext_filename(ext.name)).name
-            if not (built / module).is_file():
-                continue  # not built (optional): the source tree's files and stamp stay as they were
+            if not (built / module).is_file() or ext.name in getattr(self, "_failed", ()):
+                continue  # not built (optional): the source tree's files stay as they were, unstamped
             target = Path(self.get_ext_fullpath(ext.name)).parent
             for name in ext.companions:
                 if (built / name).is_file():
