@@ -324,6 +324,22 @@ def test_kept_weights_are_reused_bounded_never_stale_and_freed_with_their_store(
     assert held - mx.get_active_memory() >= weights // 2
 
 
+
+def test_a_weight_wanted_in_another_layout_keeps_one_copy(rng):
+    """A store keeps one copy of a weight, in the layout last asked: on AVX2 oneDNN's brgconv blocks this
+    weight's output channels by 16 or 24 as the image's size suits (the copy's bytes change with it), and
+    each size's result is still the convolution's. (Where one layout serves every size, as on AVX-512, the
+    count is 1 anyway; tests/test_instruction_sets.py runs this capped to AVX2, where it is not.)"""
+    w = mx.array(rng.standard_normal((128, 3, 3, 64)).astype(np.float32))
+    kept, sizes = onednn.kept_weights(), set()
+    with onednn.products_in(mx.float32, kept):
+        for size in (4, 6, 8, 12, 16, 64, 4):
+            x = mx.array(rng.standard_normal((1, size, size, 64)).astype(np.float32))
+            assert_close(onednn.conv2d(x, w, 2, 1), mx.conv2d(x, w, 2, 1), 1e-5)
+            assert kept.count == 1
+            sizes.add(kept.bytes)
+    assert len(sizes) >= (2 if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2" else 1)
+
 SLOWER = "patches (oneDNN's jit:avx2 is slower than the patches)"
 BACKWARD_ON_AVX2 = [  # (kernel, stride, dilation, size, channels in, the backward passes on AVX2: data; weights)
     (1, 2, 1, (9, 12), 32, f"patches (its backward data has no fast oneDNN kernel here (only x64:gemm:jit)); {SLOWER}"),

@@ -16,9 +16,10 @@ using mlx::core::array;
 class WeightCopies;
 
 // A model's store of its weights' copies in the layouts and dtypes oneDNN's kernels want (a convolution's
-// blocked weight, a bfloat16 copy), at most `capacity_bytes`, the least recently used out first; each copy
-// keyed by its weight's buffer, which the store holds (MLX then neither frees nor reuses it). For a model
-// whose weights do not change while it keeps one (a Detector); freed with it.
+// blocked weight, a bfloat16 copy), one copy of each weight (in the layout last asked), at most
+// `capacity_bytes`, the least recently used out first; each copy keyed by its weight's buffer, which the
+// store holds (MLX then neither frees nor reuses it). For a model whose weights do not change while it
+// keeps one (a Detector); freed with it.
 struct KeptWeights {
   explicit KeptWeights(size_t capacity_bytes);
   size_t count() const;
