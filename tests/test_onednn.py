@@ -324,7 +324,6 @@ def test_kept_weights_are_reused_bounded_never_stale_and_freed_with_their_store(
     assert held - mx.get_active_memory() >= weights // 2
 
 
-
 def test_a_weight_wanted_in_another_layout_keeps_one_copy(rng):
     """A store keeps one copy of a weight, in the layout last asked: on AVX2 oneDNN's brgconv blocks this
     weight's output channels by 16 or 24 as the image's size suits (the copy's bytes change with it), and
@@ -339,6 +338,7 @@ def test_a_weight_wanted_in_another_layout_keeps_one_copy(rng):
             assert kept.count == 1
             sizes.add(kept.bytes)
     assert len(sizes) >= (2 if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2" else 1)
+
 
 SLOWER = "patches (oneDNN's jit:avx2 is slower than the patches)"
 BACKWARD_ON_AVX2 = [  # (kernel, stride, dilation, size, channels in, the backward passes on AVX2: data; weights)
@@ -440,8 +440,9 @@ def test_products_with_a_long_reduction_against_their_width_are_the_products(bia
 
     # where a Detector keeps its weights' copies (inference), the product: the convolution's weight layout
     # would be one more copy of each weight kept
-    inference = onednn.module().product_implementation(args[0], args[1], args[2] if bias else None, False, True,
-                                                       False, True)
+    inference = onednn.module().product_implementation(
+        args[0], args[1], args[2] if bias else None, False, True, False, True
+    )
     assert not inference.startswith("brgconv"), inference
     kept = onednn.kept_weights()
     with onednn.products_in(mx.float32, kept):
