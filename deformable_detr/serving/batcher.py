@@ -9,7 +9,13 @@
 result per image. The worker alone calls `run` and `warm_up`: MLX is touched by this one thread while
 serving. A batch starts when `max_batch` images of the first waiting image's key are queued, or
 `max_wait` seconds after that image arrived, whichever is first; the others wait their turn in order.
-A future cancelled before its batch runs (its request cancelled) takes its image out of that batch."""
+A future cancelled before its batch runs (its request cancelled) takes its image out of that batch.
+Before the worker ends it clears its thread's MLX streams (`mx.clear_streams`), as MLX asks of every
+worker thread (ml-explore/mlx#4373): left to the C++ destructors that run as a thread ends, after Python
+has let go of it, the teardown of what the thread compiled (`nn.relu` is an `mx.compile`d function) takes
+the GIL, and where the interpreter is finalizing by then (the server's exit, right after `close`) Python
+ends that thread inside a destructor: the process aborts ("terminate called without an active exception",
+exit -6; 13-19 in 40 exits of a thread that ran `nn.relu`, none with the streams cleared)."""
 
 import collections
 import threading
@@ -17,6 +23,8 @@ import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import mlx.core as mx
 
 
 class QueueFull(Exception):
@@ -78,16 +86,19 @@ class Batcher:
 
     def _serve(self, warm_up) -> None:
         try:
-            if warm_up is not None:
-                warm_up()
-        except Exception:  # noqa: BLE001  (a model that cannot run: never ready, every request refused)
-            traceback.print_exc()
-            with self._changed:
-                self._closed = True
-        else:
-            self.ready.set()
-        while (batch := self._next_batch()) is not None:
-            self._run(batch)
+            try:
+                if warm_up is not None:
+                    warm_up()
+            except Exception:  # noqa: BLE001  (a model that cannot run: never ready, every request refused)
+                traceback.print_exc()
+                with self._changed:
+                    self._closed = True
+            else:
+                self.ready.set()
+            while (batch := self._next_batch()) is not None:
+                self._run(batch)
+        finally:
+            mx.clear_streams()  # now, on this thread, not in its exit's destructors (the docstring says why)
 
     def _next_batch(self) -> list[Job] | None:
         """The oldest waiting job and the next ones of its key, once there are `max_batch` or its wait is
