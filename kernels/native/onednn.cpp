@@ -136,11 +136,12 @@ void execute(const dnnl::primitive& primitive, const dnnl::memory::desc& scratch
 }
 
 // `user` (a plain buffer of `user_desc`) as `wanted`: the same memory where the descriptions agree, else
-// a reorder into a new buffer (layout and dtype) on every core.
-dnnl::memory as_wanted(const dnnl::memory::desc& user_desc, const void* data, const dnnl::memory::desc& wanted) {
+// a reorder (layout and dtype) on every core into `into`, or into a new buffer of oneDNN's where none is given.
+dnnl::memory as_wanted(const dnnl::memory::desc& user_desc, const void* data, const dnnl::memory::desc& wanted,
+                       void* into = nullptr) {
   dnnl::memory user(user_desc, engine(), const_cast<void*>(data));
   if (user_desc == wanted) return user;
-  dnnl::memory converted(wanted, engine());
+  dnnl::memory converted = into ? dnnl::memory(wanted, engine(), into) : dnnl::memory(wanted, engine());
   dnnl::reorder(user, converted).execute(stream_here(), user, converted);
   return converted;
 }
@@ -239,10 +240,8 @@ class WeightCopies {
       }
     }
     const size_t bytes = wanted.get_size();
-    Weight copy{dnnl::memory(), own_pages(bytes)};
-    copy.memory = dnnl::memory(wanted, engine(), copy.pages.get());
-    dnnl::memory user(plain, engine(), const_cast<void*>(data));
-    dnnl::reorder(user, copy.memory).execute(stream_here(), user, copy.memory);
+    std::shared_ptr<void> pages = own_pages(bytes);
+    const Weight copy{as_wanted(plain, data, wanted, pages.get()), pages};
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto entry = order_.begin(); entry != order_.end();) {  // its copy in another layout: replaced
       if (entry->source == source && entry->data == data) {
