@@ -128,3 +128,31 @@ def test_relu_takes_over_a_buffer_nothing_else_holds(rng):
     base = mx.get_active_memory()
     mx.eval(kernels.relu(x * 2))  # x * 2's buffer is nobody else's: the ReLU writes there
     assert mx.get_peak_memory() - base < 1.5 * x.nbytes
+
+
+@pytest.mark.parametrize("mode", ["dropout", "dropout after a ReLU", "its gradient", "a ReLU", "dropout's gradient"])
+@pytest.mark.parametrize("count", [1, 7, 9, 31, 70001])
+def test_every_mode_in_its_input_buffer_and_beside_it_is_the_where_bit_for_bit(mode, count, rng):
+    # The loops are vector selects (8 floats or 4, then a tail): lengths that end inside a vector, and
+    # the output written into the input's own buffer (a * 1 is nobody else's) as well as into a new one;
+    # the inputs are views 16 elements into their buffers, with the specials first.
+    x, keep, g = (mx.concatenate([a[:16], a])[16:] for a in inputs(rng, (count + 16,)))
+    output = dropout_in_mlx_ops(x, keep, SCALE, relu=True)
+    operation, want = {
+        "dropout": (lambda a: kernels.masked_scale(a, keep, SCALE), dropout_in_mlx_ops(x, keep, SCALE)),
+        "dropout after a ReLU": (
+            lambda a: kernels.masked_scale(a, keep, SCALE, relu=True),
+            dropout_in_mlx_ops(x, keep, SCALE, relu=True),
+        ),
+        "its gradient": (
+            lambda a: kernels.scale_where_positive(a, output, SCALE),
+            mx.where(output > 0, x * SCALE, mx.array(0, x.dtype)),
+        ),
+        "a ReLU": (kernels.relu, mx.maximum(x, 0)),
+        "dropout's gradient": (
+            lambda a: mx.vjp(lambda b: kernels.masked_scale(b, keep, SCALE), [g], [a])[1][0],
+            mx.vjp(lambda b: dropout_in_mlx_ops(b, keep, SCALE), [g], [x])[1][0],
+        ),
+    }[mode]
+    assert_bits(operation(x), want)
+    assert_bits(operation(x * 1), want)  # x * 1 has x's bits (-0, NaN): the same input
