@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One CPU kind's tables for bench/README.md: the scripts behind them, one after another, each writing into
-# bench/results/cpu/KIND/, then bench/tables.py. Run it on a quiet machine (about 40 min on 2 cores):
+# bench/results/cpu/KIND/, then bench/tables.py. Run it on a quiet machine (about 55 min on 2 cores):
 #
 #     bash bench/cpu_tables.sh zen4-avx512-bf16              # this CPU as it is
 #     bash bench/cpu_tables.sh zen4-as-avx2 --as-avx2        # a newer CPU computing as an AVX2 one does
@@ -17,6 +17,7 @@ fi
 out=bench/results/cpu/$kind
 mkdir -p "$out"
 python bench/model.py --train-size 512x683 --repeats 3 --output-dir "$out"
+python bench/model.py --alternate 10 --train-size 512x683 --repeats 3 --output-dir "$out"  # the step's ratio, 10 pairs
 python bench/deploy.py --repeats 3 --no-mlxfn --output-dir "$out"
 python bench/attention.py --output "$out/attention_cpu.txt"
 python bench/shape_memory.py --output "$out/shape_memory_cpu.txt"

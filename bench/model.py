@@ -3,6 +3,7 @@ each in float32 and in bfloat16.
 
     python bench/model.py [--task inference|train|both] [--train-size 800x1066,512x683] [--repeats 3]
                           [--threads N] [--output-dir DIR]
+    python bench/model.py --alternate 10 [--train-size 512x683] [--output-dir DIR]
 
 PyTorch side: Hugging Face's `DeformableDetrForObjectDetection` (the authors' architecture: ResNet-50,
 6 + 6 layers, 300 queries, 4 levels, 91 classes; its deformable attention core is PyTorch ops on
@@ -40,6 +41,12 @@ float32) and its peaks; the header names the CPU, any instruction-set caps (benc
 and whether bfloat16 products are fast.
 Writes `model_cpu.txt` and `model_cpu.png` (seconds per image, a bar per row) to --output-dir
 (default bench/results).
+
+`--alternate N`: only the float32 training step at the first --train-size (ours with checkpointing off,
+the R50 default for these steps), its ratio from N pairs of processes, PyTorch's then ours, one pair
+after another: on a shared machine PyTorch's step moves by 20% from one process to the next, more than a
+single row of the table can tell apart. Writes `train_alternating.txt`: each pair's seconds and ratio,
+the medians of each side's steps and their ratio, the median and range of the pairs' ratios.
 """
 
 import argparse
@@ -48,6 +55,7 @@ import os
 import platform
 import re
 import resource
+import statistics
 import sys
 import time
 from functools import partial
@@ -218,6 +226,7 @@ def run_side(side, task, repeats, size, threads, checkpointing=False, torch_mall
     return measured(command, env, f"{side} {task} {precision}")
 
 
+MALLOC_LABELS = {"same": "as ours (freed memory kept)", "default": "glibc's defaults"}
 TORCH_LABELS = {"float32": "PyTorch (float32)", "bfloat16": "PyTorch (autocast bfloat16)"}
 
 
@@ -280,6 +289,43 @@ def compare(task: str, size: tuple, args, versions: set, auto: list) -> tuple:
     return rows, (name, bars_of_task)
 
 
+def alternate(pairs: int, size: tuple, args) -> list:
+    """The training step's alternating pairs (see the module): the report's lines, printed as they come."""
+    lines = [
+        f"run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}"
+        f"{instruction_caps()}; load average at start: {load_average()}",
+        f"R50 training step, batch 2, {size[0]}x{size[1]}, float32, {args.threads} cores each: {pairs} pairs of "
+        f"processes, PyTorch's then ours (checkpointing off), each the median of {args.repeats} steps after a "
+        f"warm-up; PyTorch's malloc: {MALLOC_LABELS[args.torch_malloc]}",
+        "",
+        "| pair | PyTorch s | ours s | ratio |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    print("\n".join(lines), flush=True)
+    theirs, ours = [], []
+    for pair in range(1, pairs + 1):
+        theirs.append(run_side("torch", "train", args.repeats, size, args.threads, torch_malloc=args.torch_malloc))
+        ours.append(run_side("ours", "train", args.repeats, size, args.threads))
+        lines.append(
+            f"| {pair} | {theirs[-1]['seconds']:.2f} | {ours[-1]['seconds']:.2f} | "
+            f"{theirs[-1]['seconds'] / ours[-1]['seconds']:.2f} |"
+        )
+        print(lines[-1], flush=True)
+    ratios = sorted(t["seconds"] / o["seconds"] for t, o in zip(theirs, ours, strict=True))
+    torch_median = statistics.median(t["seconds"] for t in theirs)
+    ours_median = statistics.median(o["seconds"] for o in ours)
+    lines += [
+        "",
+        f"medians: PyTorch {torch_median:.2f} s, ours {ours_median:.2f} s: {torch_median / ours_median:.2f}x; "
+        f"the pairs' ratios: median {statistics.median(ratios):.2f}, {ratios[0]:.2f}-{ratios[-1]:.2f}, "
+        f"{sum(r >= 1.3 for r in ratios)} of {pairs} at least 1.30",
+        f"PyTorch: {theirs[0]['versions']}",
+        f"ours: {ours[0]['versions']}",
+    ]
+    print("\n".join(lines[-3:]))
+    return lines
+
+
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -296,6 +342,9 @@ def main(argv=None):
         default="same",
         help="PyTorch's process: glibc's malloc set as ours (same) or glibc's defaults",
     )
+    parser.add_argument(
+        "--alternate", type=int, metavar="N", help="only the training step's ratio, from N alternating process pairs"
+    )
     parser.add_argument("--measure", choices=["ours", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--precision", choices=PRECISIONS, default="float32", help=argparse.SUPPRESS)
@@ -309,6 +358,12 @@ def main(argv=None):
             result = measure_torch(args.task, args.repeats, size, args.threads, args.precision)
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
+        return
+
+    if args.alternate:
+        lines = alternate(args.alternate, train_sizes[0], args)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        (args.output_dir / "train_alternating.txt").write_text("\n".join(lines) + "\n")
         return
 
     jobs = [("inference", SIZE)] if args.task in ("inference", "both") else []
@@ -326,7 +381,7 @@ def main(argv=None):
         f"median of {args.repeats} after a warm-up, each row in its own process, one after another; "
         "ratio = PyTorch float32's time / the row's (> 1: faster than PyTorch float32); "
         "peak RSS = the row's process (MLX peak: arrays only, mx.get_peak_memory); PyTorch's malloc: "
-        + ("as ours (freed memory kept)" if args.torch_malloc == "same" else "glibc's defaults"),
+        + MALLOC_LABELS[args.torch_malloc],
         "",
         "| task | implementation | s | ratio | peak RSS MiB | MLX peak MiB |",
         "| --- | --- | ---: | ---: | ---: | ---: |",

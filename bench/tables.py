@@ -7,7 +7,8 @@ bench/results/cpu/KIND/ (each script's own output, its first line saying when an
 A kind's folder holds what these scripts wrote there (each optional): model.py --output-dir (inference and
 training steps against PyTorch), deploy.py --output-dir (runtimes on our ONNX file), attention.py --output
 (the attention core), shape_memory.py --output (memory over many image shapes), kept_weights.py --output
-(inference with kept weight copies). bench/README.md#reproduce
+(inference with kept weight copies), model.py --alternate (the training step's ratio from alternating
+pairs: its summary lines, not its table of pairs). bench/README.md#reproduce
 says how to run them for a new kind.
 """
 
@@ -27,7 +28,12 @@ FILES = {
     "attention_cpu.txt": ("the attention core against the authors' PyTorch core (`attention.py`)", ("machine:",)),
     "shape_memory_cpu.txt": ("memory over many image shapes, oneDNN against none (`shape_memory.py`)", ("date:",)),
     "kept_weights_cpu.txt": ("R50 inference, weights' copies kept or made (`kept_weights.py`)", ("date:",)),
+    "train_alternating.txt": (
+        "the training step, PyTorch's processes and ours alternating (`model.py --alternate`)",
+        ("run:", "medians:"),
+    ),
 }
+WITHOUT_TABLE = {"train_alternating.txt"}  # its table is a row per pair: the file has them
 
 
 def section(kind: Path) -> list[str]:
@@ -40,6 +46,8 @@ def section(kind: Path) -> list[str]:
         text = path.read_text().splitlines()
         lines += [f"{what}, [`{path.relative_to(README.parent)}`]({path.relative_to(README.parent)}):", ""]
         lines += [f"> {line}" for line in text if line.startswith(kept)] + [""]
+        if name in WITHOUT_TABLE:
+            continue
         for before, line in zip(["", *text], text, strict=False):  # each table, a blank line after it
             if line.startswith("|"):
                 lines.append(line)
