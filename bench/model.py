@@ -289,6 +289,13 @@ def compare(task: str, size: tuple, args, versions: set, auto: list) -> tuple:
     return rows, (name, bars_of_task)
 
 
+def pairs_count(text: str) -> int:
+    """--alternate's N: a whole number of pairs, at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of pairs, at least 1")
+    return int(text)
+
+
 def alternate(pairs: int, size: tuple, args) -> list:
     """The training step's alternating pairs (see the module): the report's lines, printed as they come."""
     lines = [
@@ -343,7 +350,7 @@ def main(argv=None):
         help="PyTorch's process: glibc's malloc set as ours (same) or glibc's defaults",
     )
     parser.add_argument(
-        "--alternate", type=int, metavar="N", help="only the training step's ratio, from N alternating process pairs"
+        "--alternate", type=pairs_count, metavar="N", help="only the training step's ratio from N process pairs"
     )
     parser.add_argument("--measure", choices=["ours", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
@@ -360,7 +367,7 @@ def main(argv=None):
         print(json.dumps(result))
         return
 
-    if args.alternate:
+    if args.alternate is not None:
         lines = alternate(args.alternate, train_sizes[0], args)
         args.output_dir.mkdir(parents=True, exist_ok=True)
         (args.output_dir / "train_alternating.txt").write_text("\n".join(lines) + "\n")
