@@ -44,7 +44,7 @@ def section(kind: Path) -> list[str]:
         if not path.is_file():
             continue
         text = path.read_text().splitlines()
-        lines += [f"{what}, [`{path.relative_to(README.parent)}`]({path.relative_to(README.parent)}):", ""]
+        lines += [f"{what}, [`{path.relative_to(README.parent)}`]({path.relative_to(README.parent)}):"]
         lines += [f"> {line}" for line in text if line.startswith(kept)] + [""]
         if name in WITHOUT_TABLE:
             continue
