@@ -153,6 +153,18 @@ def image_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
+def count_at_least(least: int, what: str, why: str = ""):
+    """An argument's type: a whole number of `what`, at least `least` (`why` says why, where given)."""
+
+    def count(text: str) -> int:
+        if not text.isdigit() or int(text) < least:
+            reason = f" ({why})" if why else ""
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a number of {what}, at least {least}{reason}")
+        return int(text)
+
+    return count
+
+
 def bars(title: str, groups: list[tuple[str, list[tuple[str, float]]]], path, unit: str = "s"):
     """groups: [(group label, [(bar label, value), ...]), ...]; one colour per bar position."""
     per_group = max(len(bars) for _, bars in groups)

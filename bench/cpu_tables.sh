@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One CPU kind's tables for bench/README.md: the scripts behind them, one after another, each writing into
-# bench/results/cpu/KIND/, then bench/tables.py. Run it on a quiet machine (about 55 min on 2 cores):
+# bench/results/cpu/KIND/, then bench/tables.py. Run it on a quiet machine (30-55 min on 2 cores):
 #
 #     bash bench/cpu_tables.sh zen4-avx512-bf16              # this CPU as it is
 #     bash bench/cpu_tables.sh zen4-as-avx2 --as-avx2        # a newer CPU computing as an AVX2 one does

@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import kernels  # noqa: E402
 from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 
-from common import bars, cpu_model, image_sizes, instruction_caps, load_average, measured, median_time  # noqa: E402
+from common import bars, count_at_least, cpu_model, image_sizes, instruction_caps, load_average, measured, median_time  # noqa: E402
 
 SIZE = (800, 1066)
 PRECISIONS = ("float32", "bfloat16")  # each side's rows (PyTorch's bfloat16: autocast)
@@ -289,13 +289,6 @@ def compare(task: str, size: tuple, args, versions: set, auto: list) -> tuple:
     return rows, (name, bars_of_task)
 
 
-def pairs_count(text: str) -> int:
-    """--alternate's N: a whole number of pairs, at least 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of pairs, at least 1")
-    return int(text)
-
-
 def alternate(pairs: int, size: tuple, args) -> list:
     """The training step's alternating pairs (see the module): the report's lines, printed as they come."""
     lines = [
@@ -350,7 +343,10 @@ def main(argv=None):
         help="PyTorch's process: glibc's malloc set as ours (same) or glibc's defaults",
     )
     parser.add_argument(
-        "--alternate", type=pairs_count, metavar="N", help="only the training step's ratio from N process pairs"
+        "--alternate",
+        type=count_at_least(1, "pairs"),
+        metavar="N",
+        help="only the training step's ratio from N process pairs",
     )
     parser.add_argument("--measure", choices=["ours", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)

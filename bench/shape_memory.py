@@ -23,7 +23,6 @@ kernels differ: ONEDNN_MAX_CPU_ISA=AVX2 on a newer one); the header says which. 
 before issue 61 (PYTHONPATH=<that checkout>, its configs), which gave the "before" figures.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels  # noqa: E402  (first: MLX's BLAS)
 from deformable_detr.errors import ArgumentParser, entry_point  # noqa: E402
 
-from common import RESULTS, cpu_model, load_average, measured, report  # noqa: E402
+from common import RESULTS, count_at_least, cpu_model, load_average, measured, report  # noqa: E402
 
 ROOT = Path(kernels.__file__).resolve().parents[1]  # the checkout measured (and its configs)
 
@@ -175,18 +174,12 @@ def verdict(task: str, since: str, growth: dict) -> str:
     )
 
 
-def shapes_count(text: str) -> int:
-    """A task's number of shapes: at least 10, since each task is judged from its tenth shape too."""
-    if not text.isdigit() or int(text) < 10:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of shapes, at least 10 (judged from the tenth)")
-    return int(text)
-
-
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--inference-shapes", type=shapes_count, default=300)
-    parser.add_argument("--train-shapes", type=shapes_count, default=50)
+    shapes = count_at_least(10, "shapes", "judged from the tenth")  # each task is judged from its tenth shape too
+    parser.add_argument("--inference-shapes", type=shapes, default=300)
+    parser.add_argument("--train-shapes", type=shapes, default=50)
     parser.add_argument("--output", type=Path, default=RESULTS / "shape_memory_cpu.txt")
     parser.add_argument("--task", choices=("inference", "train"), help=argparse_suppress())
     parser.add_argument("--count", type=int, help=argparse_suppress())
