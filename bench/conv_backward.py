@@ -3,8 +3,8 @@
 trainable convolution's backward data and backward weights; oneDNN's product against the BLAS's
 (MLX's matmul) for the linears' weight gradients; and for their other products (x W^T, and g W for the
 input's gradient) oneDNN's matmul against its 1 x 1 convolution and the BLAS. What
-kernels/native/onednn.cpp's rules (`slower_than_patches`, `gradient_product`, `plan_convolution`) were
-read from, and what shows they still hold.
+kernels/native/onednn_conv.cpp's and onednn_product.cpp's rules (`slower_than_patches`, `gradient_product`,
+`plan_convolution`) were read from, and what shows they still hold.
 
     python bench/conv_backward.py [--size 512x683] [--repeats 5] [--output bench/results/conv_backward_cpu.txt]
 
@@ -106,7 +106,7 @@ def convolution_row(key, count, repeats) -> tuple[str, float, float]:
 
 
 def _rule_refuses(kernel: str, w_shape, stride) -> bool:
-    """onednn.cpp's slower_than_patches, for a float32 pass (the variable above keeps the plan from it)."""
+    """onednn_conv.cpp's slower_than_patches, for a float32 pass (the variable above keeps the plan from it)."""
     direct = kernel.startswith(("jit:", "jit_1x1:"))
     return direct and (kernel.endswith(":avx2") or (w_shape[1] == 1 and stride > 1))
 

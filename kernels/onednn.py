@@ -1,6 +1,6 @@
 """Convolutions and matrix products on oneDNN, Intel's deep learning kernels (the ones under PyTorch,
 OpenVINO and TensorFlow on x86 CPUs): `conv2d` and `linear`, as MLX operations with their gradients
-(C++ `Primitive`s of `kernels._onednn`, built from native/onednn.cpp where oneDNN's headers were there).
+(C++ `Primitive`s of `kernels._onednn`, built from native/onednn*.cpp where oneDNN's headers were there).
 
 Why: MLX's CPU back-end runs a convolution as im2col + one sgemm and has no fast bfloat16 product (a
 bf16 2048^2 product takes 3.9 s, f32 0.19 s). oneDNN's JIT kernels use blocked layouts, AVX2, AVX-512

@@ -1,4 +1,5 @@
-// kernels._onednn's C++ face (onednn.cpp), which onednn_bindings.cpp gives to Python.
+// kernels._onednn's C++ face (onednn.cpp, onednn_conv.cpp, onednn_product.cpp), which onednn_bindings.cpp gives
+// to Python.
 
 #pragma once
 

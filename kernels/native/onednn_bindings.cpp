@@ -1,4 +1,4 @@
-// kernels._onednn: the Python face of onednn.cpp. A module of its own beside kernels._native: it links
+// kernels._onednn: the Python face of onednn.h. A module of its own beside kernels._native: it links
 // oneDNN's library, which may be missing where _native still loads.
 
 #include <nanobind/nanobind.h>

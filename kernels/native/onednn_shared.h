@@ -1,0 +1,123 @@
+// What kernels._onednn's three files share (internal; its face is onednn.h): oneDNN's engine and stream,
+// the primitives' attributes, a refusal's rule, a call's execution, a buffer in the layout a primitive
+// wants, the plan caches and the kept weights (onednn.cpp, with the top's story); each kind's shape,
+// plans and Primitive are its own file's (onednn_conv.cpp, onednn_product.cpp).
+
+#pragma once
+
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "mlx/array.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+#include "onednn.h"
+
+namespace kernels_onednn {
+
+namespace mx = mlx::core;
+using tag = dnnl::memory::format_tag;
+using dt = dnnl::memory::data_type;
+using dims = dnnl::memory::dims;
+
+dnnl::engine& engine();
+// This thread's stream (MLX's stream thread runs the calls, the caller's thread a kept weight's reorder).
+dnnl::stream& stream_here();
+dt dnnl_type(mx::Dtype type);
+// Every primitive's attributes: the scratchpad is the caller's, for one call (onednn.cpp's top).
+const dnnl::primitive_attr& attributes();
+
+// Why oneDNN's choice for a primitive is refused, or "" where it is fast: its reference loops (`ref:any`,
+// `gemm:ref`) are all it has for a shape and dtype (bfloat16 on a CPU without AVX-512); a convolution
+// also refuses oneDNN's im2col + GEMM (`gemm:jit`, taken for narrow images: a 7 x 7 stem on a 1 or 2
+// pixel wide input), which crashed there (oneDNN 3.2) and is what the caller's own path does anyway.
+template <typename Desc>
+std::string refusal(const Desc& pd, const std::string& what, bool convolution = false) {
+  const std::string impl = pd.impl_info_str();
+  if (impl.find("ref") != std::string::npos || (convolution && impl.find("gemm") != std::string::npos)) {
+    return what + " has no fast oneDNN kernel here (only " + impl + ")";
+  }
+  return "";
+}
+
+// Runs `primitive` on this thread's stream with a scratchpad of `scratchpad`'s size for this call only.
+void execute(const dnnl::primitive& primitive, const dnnl::memory::desc& scratchpad,
+             std::unordered_map<int, dnnl::memory> args);
+
+// `user` (a plain buffer of `user_desc`) as `wanted`: the same memory where the descriptions agree, else
+// a reorder (layout and dtype) on every core into `into`, or into a new buffer of oneDNN's where none is given.
+dnnl::memory as_wanted(const dnnl::memory::desc& user_desc, const void* data, const dnnl::memory::desc& wanted,
+                       void* into = nullptr);
+
+// DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES=1 keeps every pass and product on oneDNN's own kernel for it, where
+// the patches (a convolution's backward) or a 1 x 1 convolution (a product) would be taken for speed: for
+// bench/conv_backward.py to time both ways.
+bool keep_slower_passes();
+
+// A weight as a primitive reads it: `memory`, and `pages`, which hold a kept copy's buffer while it is used
+// (none for the weight itself or a copy oneDNN made and owns).
+struct Weight {
+  dnnl::memory memory;
+  std::shared_ptr<void> pages;
+};
+
+// A weight as `wanted`: from `kept` (a KeptWeights' store) where given (then `source` is its buffer), else
+// converted for this call.
+Weight weight_as_wanted(const std::shared_ptr<WeightCopies>& kept, const std::shared_ptr<mx::array::Data>& source,
+                        const void* data, const dnnl::memory::desc& plain, const dnnl::memory::desc& wanted);
+
+// ---------------------------------------------------------------------------------------------------
+// The plan caches: plans by shape (count), least recently used out first.
+
+size_t& plan_capacity_value();
+
+template <typename Plan>
+class Plans {
+ public:
+  // The plan of `key`, made by `make` where it is not kept (then the least recently used goes where
+  // there are more than the capacity).
+  std::shared_ptr<Plan> get(const std::string& key, const std::function<std::shared_ptr<Plan>()>& make) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto found = index_.find(key); found != index_.end()) {
+      order_.splice(order_.begin(), order_, found->second);
+      return found->second->second;
+    }
+    auto plan = make();
+    order_.emplace_front(key, plan);
+    index_[key] = order_.begin();
+    trim();
+    return plan;
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return order_.size();
+  }
+  void shrink() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    trim();
+  }
+
+ private:
+  void trim() {
+    while (order_.size() > plan_capacity_value()) {
+      index_.erase(order_.back().first);
+      order_.pop_back();  // a Primitive still in a graph holds its plan until it is done
+    }
+  }
+  std::list<std::pair<std::string, std::shared_ptr<Plan>>> order_;
+  std::unordered_map<std::string, typename decltype(order_)::iterator> index_;
+  std::mutex mutex_;
+};
+
+// Each kind's cache, in its own file; caches() and set_capacity() (onednn.cpp) reach both.
+struct ConvPlan;
+struct ProductPlan;
+Plans<ConvPlan>& conv_plans();
+Plans<ProductPlan>& product_plans();
+
+}  // namespace kernels_onednn
