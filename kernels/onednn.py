@@ -190,9 +190,10 @@ def linear(x: mx.array, weight: mx.array, bias=None):
 
 
 def caches() -> dict:
-    """What the extension keeps: {"convolutions", "products": plans (a shape's primitives), "capacity":
-    of each kind, "onednn_capacity": oneDNN's primitive cache's, "largest_scratchpad": bytes a call has
-    needed at most}; {} where oneDNN is not used."""
+    """What the extension keeps: {"convolutions", "products": plans (a shape's primitives) kept now;
+    "convolution_hits", "convolution_misses", "product_hits", "product_misses": lookups since the process
+    began that found a kept plan or made one; "capacity": plans of each kind; "onednn_capacity": oneDNN's
+    primitive cache's; "largest_scratchpad": bytes a call has needed at most}; {} where oneDNN is not used."""
     extension = module()
     return {} if extension is None else dict(extension.caches())
 

@@ -287,6 +287,44 @@ def test_the_plan_capacity_comes_from_its_variable(plans, answer):
     assert answer in (done.stdout if done.returncode == 0 else done.stderr), done.stderr
 
 
+def lookups(kind: str) -> tuple[int, int]:
+    """(hits, misses) of one kind's plan cache ("convolution", "product") so far."""
+    caches = onednn.caches()
+    return caches[f"{kind}_hits"], caches[f"{kind}_misses"]
+
+
+def test_a_shape_plan_is_made_at_its_first_call_and_found_at_the_next(rng):
+    x = mx.array(rng.standard_normal((1, 13, 17, 12)).astype(np.float32))  # shapes no other test uses
+    w = mx.array(rng.standard_normal((12, 3, 3, 12)).astype(np.float32))
+    a, b = x.reshape(-1, 12)[:37], w.reshape(12, -1)[:, :12]
+    for kind, call in [("convolution", lambda: onednn.conv2d(x, w, 1, 1)), ("product", lambda: onednn.linear(a, b))]:
+        hits, misses = lookups(kind)
+        first = call()
+        assert lookups(kind) == (hits, misses + 1), kind
+        second = call()
+        assert lookups(kind) == (hits + 1, misses + 1), kind
+        assert np.array_equal(np.array(first), np.array(second))
+
+
+def test_a_cycle_of_shapes_longer_than_the_capacity_remakes_every_plan(rng):
+    """Least recently used out first: with `capacity` plans, a cycle of `capacity + 1` shapes finds none of
+    them the second time round (as an R50 step's 75 convolutions did with 32 plans); `capacity` shapes, all."""
+    extension, before = onednn.module(), onednn.caches()
+    w = mx.array(rng.standard_normal((8, 3, 3, 4)).astype(np.float32))
+    cycle = [mx.array(rng.standard_normal((1, 7, size, 4)).astype(np.float32)) for size in range(30, 34)]
+    try:
+        for capacity, (found, made) in [(3, (0, 4)), (4, (4, 0))]:
+            extension.set_capacity(capacity)
+            for x in cycle:
+                onednn.conv2d(x, w, 1, 1)
+            hits, misses = lookups("convolution")
+            for x in cycle:
+                onednn.conv2d(x, w, 1, 1)
+            assert lookups("convolution") == (hits + found, misses + made), capacity
+    finally:
+        extension.set_capacity(before["capacity"])
+
+
 def test_kept_weights_are_reused_bounded_never_stale_and_freed_with_their_store(rng):
     """Given a KeptWeights, a weight's copy in oneDNN's layout is made once; another weight (a new buffer)
     gets its own; at most its capacity of copies is kept; dropping the store lets MLX free the weights."""

@@ -229,11 +229,17 @@ std::string describe() {
          std::to_string(version->patch);
 }
 
-// {"convolutions", "products": plans kept; "capacity" of each; "onednn_capacity": of oneDNN's primitive
-// cache; "largest_scratchpad": the most a call has needed}.
+// {"convolutions", "products": plans kept; "convolution_hits", "convolution_misses", "product_hits",
+// "product_misses": lookups that found a kept plan or made one, since the process began; "capacity" of each
+// kind; "onednn_capacity": of oneDNN's primitive cache; "largest_scratchpad": the most a call has needed}.
 std::unordered_map<std::string, size_t> caches() {
-  return {{"convolutions", conv_plans().size()},
-          {"products", product_plans().size()},
+  const PlanCounts convolutions = conv_plans().counts(), products = product_plans().counts();
+  return {{"convolutions", convolutions.kept},
+          {"convolution_hits", convolutions.hits},
+          {"convolution_misses", convolutions.misses},
+          {"products", products.kept},
+          {"product_hits", products.hits},
+          {"product_misses", products.misses},
           {"capacity", plan_capacity_value()},
           {"onednn_capacity", size_t(dnnl::get_primitive_cache_capacity())},
           {"largest_scratchpad", largest_scratchpad.load()}};

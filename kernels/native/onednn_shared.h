@@ -76,6 +76,11 @@ Weight weight_as_wanted(const std::shared_ptr<WeightCopies>& kept, const std::sh
 
 size_t& plan_capacity_value();
 
+// A cache's plans kept now, and its lookups since the process began: found (hits) or made (misses).
+struct PlanCounts {
+  size_t kept, hits, misses;
+};
+
 template <typename Plan>
 class Plans {
  public:
@@ -84,18 +89,20 @@ class Plans {
   std::shared_ptr<Plan> get(const std::string& key, const std::function<std::shared_ptr<Plan>()>& make) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (auto found = index_.find(key); found != index_.end()) {
+      ++hits_;
       order_.splice(order_.begin(), order_, found->second);
       return found->second->second;
     }
+    ++misses_;
     auto plan = make();
     order_.emplace_front(key, plan);
     index_[key] = order_.begin();
     trim();
     return plan;
   }
-  size_t size() {
+  PlanCounts counts() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return order_.size();
+    return {order_.size(), hits_, misses_};
   }
   void shrink() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -111,6 +118,7 @@ class Plans {
   }
   std::list<std::pair<std::string, std::shared_ptr<Plan>>> order_;
   std::unordered_map<std::string, typename decltype(order_)::iterator> index_;
+  size_t hits_ = 0, misses_ = 0;
   std::mutex mutex_;
 };
 
