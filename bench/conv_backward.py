@@ -1,5 +1,5 @@
 """Which way each backward pass of an R50 training step runs fastest here: oneDNN's kernel or the patches
-(im2col / col2im on every core and the BLAS's products, models/backbone.py's own convolution), for every
+(im2col / col2im on every core and the BLAS's products, models/convolution.py), for every
 trainable convolution's backward data and backward weights; oneDNN's product against the BLAS's
 (MLX's matmul) for the linears' weight gradients; and for their other products (x W^T, and g W for the
 input's gradient) oneDNN's matmul against its 1 x 1 convolution and the BLAS. What

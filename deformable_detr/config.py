@@ -31,8 +31,8 @@ class ModelConfig:
     # resnet18 | resnet34 | resnet50 | resnet101 | swin_tiny | swin_small | swin_base | swin_large (window 7) |
     # swin_base_window12 | swin_large_window12 (window 12, ImageNet-22k at 384)
     backbone: str = "resnet50"
-    backbone_width: int = 64  # channels of the first stage (torchvision: 64); smaller for a small model
-    dilation: bool = False  # DC5: dilate the last stage instead of striding it
+    backbone_width: int = 64  # a ResNet's first stage's channels (torchvision: 64); smaller for a small model
+    dilation: bool = False  # DC5: dilate a ResNet's last stage instead of striding it
     drop_path_rate: float = 0.2  # Swin backbones: stochastic depth's rate in the last block (H-Deformable-DETR's 0.2)
     num_feature_levels: int = 4
     hidden_dim: int = 256
@@ -85,7 +85,7 @@ class LossConfig:
 class OptimizerConfig:
     lr: float = 2e-4
     lr_backbone: float = 2e-5
-    freeze_stem_and_layer1: bool = True  # the authors' choice for a pretrained backbone
+    freeze_stem_and_layer1: bool = True  # the authors' choice for a pretrained ResNet (Swin has neither: all trains)
     lr_linear_proj_mult: float = 0.1  # for the parameters named below
     lr_linear_proj_names: list = field(default_factory=lambda: ["reference_points", "sampling_offsets"])
     weight_decay: float = 1e-4
@@ -130,8 +130,8 @@ class TrainConfig:
     checkpoint_every: int = 0  # also checkpoint every N steps (0: at the end of each epoch only)
     log_every: int = 1  # steps between JSON-lines log records
     eval_every: int = 1  # epochs between evaluations (0: never)
-    # recompute backbone stages 2-4 and every transformer layer in the backward; auto: only when the
-    # memory check finds that a step without it would not fit train.memory_limit_gb (train.py)
+    # recompute the backbone (a ResNet's stages 2-4, every Swin block) and every transformer layer in the backward;
+    # auto: only when the memory check finds that a step without it would not fit train.memory_limit_gb (train.py)
     activation_checkpointing: bool = field(default=False, metadata={"auto": True})
     memory_limit_gb: float = 0.0  # refuse to start when a step would need more (0: 80% of the machine's memory)
     # bfloat16: convolutions, linears and the attention's values computed in bfloat16, the weights,

@@ -8,6 +8,7 @@ from functools import cache
 from pathlib import Path
 
 from deformable_detr.errors import ConversionError
+from deformable_detr.models.backbones import backbone_family
 from deformable_detr.models.gelu import gelu
 from deformable_detr.models.swin import (
     BUFFERS,
@@ -15,7 +16,6 @@ from deformable_detr.models.swin import (
     DropPath,
     SwinArchitecture,
     SwinBackbone,
-    is_swin,
 )
 from deformable_detr.weights.swin import (
     detect_architecture,
@@ -130,7 +130,7 @@ def test_interface():
     assert swin.strides == [8, 16, 32] and swin.num_channels == [192, 384, 768]
     last = SwinBackbone("swin_large_window12", return_interm_layers=False)
     assert last.strides == [32] and last.num_channels == [1536]
-    assert is_swin("swin_tiny") and not is_swin("resnet50")
+    assert backbone_family("swin_tiny") == "swin" and backbone_family("resnet50") == "resnet"
     rates = [block.drop_path.p for layer in SwinBackbone("swin_tiny").body.layers for block in layer.blocks]
     np.testing.assert_allclose(rates, np.linspace(0, 0.2, 12), rtol=1e-6)  # HDETR's: linear over all 12 blocks
     with pytest.raises(ValueError, match="unknown Swin backbone 'swin_huge'"):

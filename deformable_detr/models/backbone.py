@@ -5,14 +5,10 @@ torchvision's ResNet under `backbone.0.body` (the authors' `Joiner`), so their c
 for key.
 """
 
-from functools import cache
-
-import kernels
-
-import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
+from .backbone_base import BackboneBase
+from .convolution import Conv2d
 from .precision import FrozenBatchNorm2d
 from .recompute import checkpointed
 
@@ -23,62 +19,6 @@ ARCHITECTURES = {
     "resnet50": ("bottleneck", (3, 4, 6, 3)),
     "resnet101": ("bottleneck", (3, 4, 23, 3)),
 }
-
-
-class Conv2d(nn.Conv2d):
-    """`nn.Conv2d` computed as matrix products on the CPU, same parameters: 1 x 1 as a product of the
-    (strided) input, the others as `kernels.patches` (im2col on every core) times the weight. MLX's CPU
-    convolution builds the same patches in general copies on one thread before the same GEMM, takes
-    its generic loop at dilation > 1 (about 70x slower, kernels/patches.py), and its gradient w.r.t. a
-    strided convolution's input runs about 50x slower than the convolution. Outputs are MLX's bit for
-    bit at dilation 1, gradients to float32 rounding (bench/conv.py). On x86-64 Linux oneDNN computes it
-    (kernels.onednn) where it has fast kernels for the shape, the patches where it has not (remembered per
-    shape; a backward pass oneDNN has no fast kernel for is the patches' too). In `kernels.export_mode()` it is
-    `nn.Conv2d` (`mx.conv2d`): an exported file runs on any device, and the custom VJP below would not
-    serialize."""
-
-    def __call__(self, x):
-        (stride, stride_w), (padding, padding_w) = self.stride, self.padding
-        dilation = self.dilation if isinstance(self.dilation, int) else self.dilation[0]
-        on_cpu = mx.default_device().type == mx.cpu and not kernels.exporting()
-        if not on_cpu or (stride, padding) != (stride_w, padding_w) or self.groups != 1:
-            return super().__call__(x)
-        y = kernels.onednn.conv2d(x, self.weight, stride, padding, dilation)
-        if y is not None:
-            return y + self.bias if "bias" in self else y
-        if self.weight.shape[1:3] == (1, 1) and padding == 0:
-            y = x[:, ::stride, ::stride] @ self.weight.reshape(self.weight.shape[0], -1).T
-        else:
-            y = _patches_conv(stride, padding, dilation)(x, self.weight)
-        return y + self.bias if "bias" in self else y
-
-
-@cache
-def _patches_conv(stride: int, padding: int, dilation: int):
-    """x's patches times the weight. The backward makes the patches again rather than keep them (k * k
-    times the input): the weight's gradient is the cotangent times them, the input's the transpose of
-    patches (col2im) of the cotangent times the weight."""
-
-    def forward(x, weight):
-        return kernels.patches(x, weight.shape[1], stride, padding, dilation) @ weight.reshape(weight.shape[0], -1).T
-
-    convolution = mx.custom_function(forward)
-
-    @convolution.vjp
-    def convolution_vjp(primals, cotangent, output):
-        x, weight = primals
-        out_channels, k = weight.shape[:2]
-        matrix = weight.reshape(out_channels, -1)
-
-        def extract(inputs):
-            return kernels.patches(inputs, k, stride, padding, dilation)
-
-        columns = extract(x)
-        grad_weight = cotangent.reshape(-1, out_channels).T @ columns.reshape(-1, columns.shape[-1])
-        _, (grad_x,) = mx.vjp(extract, [x], [cotangent @ matrix])  # col2im, not the patches again
-        return grad_x, grad_weight.reshape(weight.shape)
-
-    return convolution
 
 
 def conv(in_channels, out_channels, kernel_size, stride=1, dilation=1):
@@ -190,30 +130,13 @@ class ResNet(nn.Module):
         return outputs
 
 
-def resize_mask(mask: mx.array, height: int, width: int) -> mx.array:
-    """Nearest resize of a (B, H, W) bool mask, as `F.interpolate(mode="nearest")`."""
-    rows = nearest_indices(mask.shape[1], height)
-    cols = nearest_indices(mask.shape[2], width)
-    return mask[:, rows][:, :, cols]
-
-
-def nearest_indices(size_in: int, size_out: int) -> mx.array:
-    scale = np.float32(size_in) / np.float32(size_out)
-    index = np.floor(np.arange(size_out, dtype=np.float32) * scale).astype(np.int32)
-    return mx.array(np.minimum(index, size_in - 1))
-
-
-class Backbone(nn.Module):
-    """ResNet body; returns [(features (B, h, w, C), mask (B, h, w))] at strides 8/16/32, or the
-    last only (`return_interm_layers=False`)."""
+class Backbone(BackboneBase):
+    """ResNet body; returns [(features (B, h, w, C), mask (B, h, w))] at strides 8/16/32 (DC5: 8/16/16), or
+    the last only (`return_interm_layers=False`)."""
 
     def __init__(self, name: str, return_interm_layers: bool = True, dilation: bool = False, width: int = 64):
-        super().__init__()
-        self.body = ResNet(name, dilation, width)
-        self.return_interm_layers = return_interm_layers
-        strides = [8, 16, 16 if dilation else 32]
-        self.strides = strides if return_interm_layers else strides[-1:]
-        self.num_channels = self.body.num_channels if return_interm_layers else self.body.num_channels[-1:]
+        strides = (8, 16, 16) if dilation else self.STRIDES  # DC5: the last stage dilated, not strided
+        super().__init__(ResNet(name, dilation, width), return_interm_layers, strides)
 
     def set_trainable(self, train: bool, freeze_stem_and_layer1: bool = True):
         """Which layers train: none (`train` False); all but the stem and layer1 (the authors'
@@ -228,9 +151,3 @@ class Backbone(nn.Module):
             self.body.conv1.freeze()
             for block in self.body.layer1:
                 block.freeze()
-
-    def __call__(self, images: mx.array, mask: mx.array):
-        features = self.body(images)
-        if not self.return_interm_layers:
-            features = features[-1:]
-        return [(x, resize_mask(mask, x.shape[1], x.shape[2])) for x in features]

@@ -7,13 +7,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import Config, ModelConfig
-from .backbone import Backbone, Conv2d, resize_mask
+from .backbone_base import BackboneBase, resize_mask
+from .backbones import BACKBONES, backbone_family, build_backbone
 from .box_ops import box_cxcywh_to_xyxy
+from .convolution import Conv2d
 from .deformable_transformer import DeformableTransformer, inverse_sigmoid
 from .linear import Linear
 from .position_encoding import PositionEmbeddingSine
 from .precision import GroupNorm, float32_heads, to
-from .swin import SwinBackbone, is_swin
 
 
 class MLP(nn.Module):
@@ -59,7 +60,7 @@ class DeformableDETR(nn.Module):
     `m`, the config's model section: num_classes, num_queries, num_feature_levels, aux_loss, with_box_refine,
     two_stage, mixed_selection, num_queries_one2many."""
 
-    def __init__(self, backbone: Backbone | SwinBackbone, transformer: DeformableTransformer, m: ModelConfig):
+    def __init__(self, backbone: BackboneBase, transformer: DeformableTransformer, m: ModelConfig):
         super().__init__()
         hidden_dim, num_classes, num_queries, two_stage = transformer.d_model, m.num_classes, m.num_queries, m.two_stage
         if m.mixed_selection and not two_stage:
@@ -115,8 +116,9 @@ class DeformableDETR(nn.Module):
         return heads[index] if len(heads) > 1 else heads[0]
 
     def set_activation_checkpointing(self, enabled: bool):
-        """Recompute backbone stages 2-4 and every encoder and decoder layer in the backward instead
-        of keeping their intermediates (training only; same gradients, less memory, more time)."""
+        """Recompute the backbone (a ResNet's stages 2-4, every Swin block) and every encoder and decoder layer
+        in the backward instead of keeping their intermediates (training only; same gradients, less memory,
+        more time)."""
         self.backbone[0].body.activation_checkpointing = enabled
         self.transformer.encoder.activation_checkpointing = enabled
         self.transformer.decoder.activation_checkpointing = enabled
@@ -196,13 +198,9 @@ def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
 
 
 def build_model(cfg: Config) -> DeformableDETR:
-    m = cfg.model
-    if is_swin(m.backbone):  # H-Deformable-DETR's Swin backbones
-        if m.dilation:
-            raise ValueError(f"model.dilation (DC5) is a ResNet's; model.backbone is {m.backbone}")
-        backbone = SwinBackbone(m.backbone, m.num_feature_levels > 1, m.drop_path_rate)
-    else:
-        backbone = Backbone(m.backbone, m.num_feature_levels > 1, m.dilation, m.backbone_width)
-    model = DeformableDETR(backbone, DeformableTransformer(m), m)
+    m, family = cfg.model, backbone_family(cfg.model.backbone)
+    if m.dilation and family is not None and not BACKBONES[family].dilation:
+        raise ValueError(f"model.dilation (DC5) is a ResNet's; model.backbone is {m.backbone}")
+    model = DeformableDETR(build_backbone(m), DeformableTransformer(m), m)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing is True)  # auto: the memory check sets it
     return model

@@ -29,8 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ConversionError
-from .backbone import Conv2d, resize_mask
+from .backbone_base import BackboneBase
+from .convolution import Conv2d
 from .gelu import gelu
 from .linear import Linear
 from .precision import LayerNorm, to, widened
@@ -65,10 +65,6 @@ MASKED = -100.0  # Swin's value between tokens of different regions (not -inf)
 BUFFERS = ("relative_position_index", "attn_mask")
 
 
-def is_swin(name: str) -> bool:
-    return name.startswith("swin")
-
-
 def architecture(name) -> SwinArchitecture:
     if isinstance(name, SwinArchitecture):
         return name
@@ -92,20 +88,14 @@ def describe(arch: SwinArchitecture) -> str:
     return f"{name} ({shape})" if name else f"a Swin of no known name ({shape})"
 
 
-def detect_architecture(state: dict, source: str = "checkpoint") -> SwinArchitecture:
-    """The architecture that a state's shapes show (either layout; buffers and classifier ignored)."""
-    if "patch_embed.proj.weight" not in state:
-        raise ConversionError(f"{source}: not a Swin state: no patch_embed.proj.weight")
-    depths, heads, windows = [], [], []
-    while (table := state.get(f"layers.{len(depths)}.blocks.0.attn.relative_position_bias_table")) is not None:
-        blocks = {k.split(".")[3] for k in state if k.startswith(f"layers.{len(depths)}.blocks.")}
-        depths.append(len(blocks))
-        heads.append(int(table.shape[1]))
-        windows.append((round(np.sqrt(table.shape[0])) + 1) // 2)
-    if not depths:
-        raise ConversionError(f"{source}: not a Swin state: no layers.0.blocks.0.attn.relative_position_bias_table")
-    embed = int(state["patch_embed.proj.weight"].shape[0])
-    return SwinArchitecture(embed, tuple(depths), tuple(heads), windows[0])
+def bias_table_rows(window: int) -> int:
+    """Rows of a window's relative position bias table: one per offset (dy, dx), each in -(window - 1)..window - 1."""
+    return (2 * window - 1) ** 2
+
+
+def window_of(bias_table) -> int:
+    """The window whose bias table this is (`bias_table_rows`' inverse), from the table's shape."""
+    return (round(np.sqrt(bias_table.shape[0])) + 1) // 2
 
 
 @cache
@@ -198,7 +188,7 @@ class WindowAttention(nn.Module):
         self.window = window
         self.num_heads = num_heads
         self.scale = (dim // num_heads) ** -0.5
-        self.relative_position_bias_table = 0.02 * mx.random.normal(((2 * window - 1) ** 2, num_heads))
+        self.relative_position_bias_table = 0.02 * mx.random.normal((bias_table_rows(window), num_heads))
         self.qkv = _linear(dim, 3 * dim)
         self.proj = _linear(dim, dim)
 
@@ -339,18 +329,13 @@ class SwinTransformer(nn.Module):
         return outputs
 
 
-class SwinBackbone(nn.Module):
+class SwinBackbone(BackboneBase):
     """Swin body; returns [(features (B, h, w, C), mask (B, h, w))] at strides 8/16/32, or the last
-    only (`return_interm_layers=False`), as `Backbone` does for a ResNet. `name`: a key of
-    SWIN_ARCHITECTURES (or a SwinArchitecture)."""
+    only (`return_interm_layers=False`). `name`: a key of SWIN_ARCHITECTURES (or a SwinArchitecture).
+    HDETR's body returns all three maps even when it says stride 32 only; here the last only."""
 
     def __init__(self, name, return_interm_layers: bool = True, drop_path_rate: float = 0.2):
-        super().__init__()
-        self.body = SwinTransformer(name, drop_path_rate)
-        self.return_interm_layers = return_interm_layers
-        # HDETR's body returns all three maps even when it says stride 32 only; here the last only
-        self.strides = [8, 16, 32] if return_interm_layers else [32]
-        self.num_channels = self.body.num_channels if return_interm_layers else self.body.num_channels[-1:]
+        super().__init__(SwinTransformer(name, drop_path_rate), return_interm_layers)
 
     def set_trainable(self, train: bool, freeze_stem_and_layer1: bool = True):
         """All of Swin trains (`train`), or none. `freeze_stem_and_layer1` is ignored: it is the
@@ -360,9 +345,3 @@ class SwinBackbone(nn.Module):
         self.body.unfreeze()
         if not train:
             self.body.freeze()
-
-    def __call__(self, images: mx.array, mask: mx.array):
-        features = self.body(images)
-        if not self.return_interm_layers:
-            features = features[-1:]
-        return [(x, resize_mask(mask, x.shape[1], x.shape[2])) for x in features]

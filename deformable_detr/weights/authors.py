@@ -18,8 +18,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import ConversionError, optional
+from ..models.backbones import backbone_family
 from ..models.swin import BUFFERS as SWIN_BUFFERS
-from ..models.swin import architecture_name, detect_architecture, relative_position_index
+from ..models.swin import relative_position_index, window_of
+from .backbones import backbone_in
 from .files import open_safetensors
 
 # ModelConfig fields -> the authors' argparse names, for the args they read to build the model.
@@ -106,10 +108,8 @@ def detect_variant(state: dict) -> dict:
     def count(prefix, position):
         return len({k.split(".")[position] for k in state if k.startswith(prefix)})
 
-    bottleneck = "backbone.0.body.layer1.0.conv3.weight" in state
-    backbone = {(True, 6): "resnet50", (True, 23): "resnet101", (False, 6): "resnet34", (False, 2): "resnet18"}
     options = {
-        "backbone": swin_backbone(state) or backbone.get((bottleneck, count("backbone.0.body.layer3.", 4)), "unknown"),
+        "backbone": backbone_in(state),
         "two_stage": "transformer.enc_output.weight" in state,
         "with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state)
         or "class_embed.1.weight" in state
@@ -132,16 +132,6 @@ def detect_variant(state: dict) -> dict:
     # H-Deformable-DETR's mixed selection: two-stage with learned content queries (the authors' two-stage has none)
     options["mixed_selection"] = options["two_stage"] and "query_embed.weight" in state
     return options
-
-
-def swin_backbone(state: dict) -> str | None:
-    """The SWIN_ARCHITECTURES name of the Swin under backbone.0.body (H-Deformable-DETR's), from its shapes:
-    embed dim, blocks, heads and window; "unknown" for a Swin of no known name; None for no Swin."""
-    body = "backbone.0.body."
-    if body + "patch_embed.proj.weight" not in state:
-        return None
-    arch = detect_architecture({k.removeprefix(body): v for k, v in state.items() if k.startswith(body)})
-    return architecture_name(arch) or "unknown"
 
 
 _ARG_NAMES = {  # the authors' args and Hugging Face config.json names -> ModelConfig fields
@@ -182,7 +172,7 @@ def model_options(state: dict, args: dict) -> dict:
 def config_for(variant: dict) -> str:
     """The name of the configs/ file of the authors' (or H-Deformable-DETR's) configuration a variant matches."""
     swin = {"swin_large": "hdetr_swin_large_36ep.yaml", "swin_large_window12": "hdetr_swin_large_window12_36ep.yaml"}
-    if variant["backbone"].startswith("swin"):
+    if backbone_family(variant["backbone"]) == "swin":
         return swin.get(variant["backbone"], "hdetr_swin_tiny_12ep.yaml")
     if variant.get("mixed_selection") or variant.get("look_forward_twice") or variant.get("num_queries_one2many"):
         return "hdetr_r50_12ep.yaml"
@@ -289,8 +279,7 @@ def to_authors(weights: dict) -> dict:
         if head and ((head[1] == "bbox_embed" and box_refine) or (head[1] == "class_embed" and two_stage)):
             out[f"transformer.decoder.{key}"] = out[key]
         if key.startswith("backbone.0.body.") and key.endswith(".attn.relative_position_bias_table"):
-            window = (round(np.sqrt(out[key].shape[0])) + 1) // 2  # the buffer H-Deformable-DETR's Swin keeps
-            index = np.array(relative_position_index(window)).astype(np.int64)
+            index = np.array(relative_position_index(window_of(out[key]))).astype(np.int64)  # HDETR's Swin keeps it
             out[key.replace("relative_position_bias_table", "relative_position_index")] = index
     return out
 

@@ -8,17 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import CONFIGS_DIR, load_config, model_overrides
+from ..config import CONFIGS_DIR, ModelConfig, load_config, model_overrides
 from ..data.coco import COCO_CATEGORY_NAMES
 from ..errors import ConversionError, optional
 from ..models import build_model
-from ..models.backbone import Backbone
-from ..models.swin import architecture_name, describe, detect_architecture
+from ..models.backbones import build_backbone
+from ..models.swin import architecture_name, describe
 from . import huggingface
 from .authors import (
     authors_args,
     config_for,
-    detect_variant,
     expected_shapes,
     model_options,
     read_checkpoint,
@@ -26,6 +25,7 @@ from .authors import (
     to_authors,
     torchvision_resnet_to_backbone,
 )
+from .backbones import backbone_family_in, backbone_in, detect_architecture
 from .files import CONFIG_FILE_KEY, MODEL_OPTIONS_KEY, atomic_write, save_weights, write_safetensors
 from .swin import swin_imagenet_to_body
 
@@ -38,8 +38,9 @@ def convert(src: Path, backbone_only: bool = False, dilation: bool = False, sour
     `load_config`) and a message naming the variant and the config."""
     state, ckpt_args = read_checkpoint(src)
     source = str(source or src)
-    if backbone_only and "patch_embed.proj.weight" in {k.removeprefix("module.") for k in state}:
-        arch = detect_architecture({k.removeprefix("module."): v for k, v in state.items()}, source)
+    imagenet = {k.removeprefix("module."): v for k, v in state.items()} if backbone_only else {}
+    if backbone_family_in(imagenet) == "swin":
+        arch = detect_architecture(imagenet, source)
         name = architecture_name(arch)
         if name is None:
             raise ConversionError(f"{source}: holds {describe(arch)}: no backbone of this project has its shape")
@@ -47,11 +48,11 @@ def convert(src: Path, backbone_only: bool = False, dilation: bool = False, sour
         return body, {"backbone": name}, f"backbone: {name} (ImageNet weights: {describe(arch)})"
     if backbone_only:
         state = torchvision_resnet_to_backbone(state, source)
-        name = detect_variant(state)["backbone"]
+        name = backbone_in(state)
         if name == "unknown":
             raise ConversionError(f"{source}: not a ResNet-18/34/50/101 state_dict")
-        body = Backbone(name)
-        expected = {f"backbone.0.body.{k}": v for k, v in expected_shapes(body.body).items()}
+        body = build_backbone(ModelConfig(backbone=name)).body
+        expected = {f"backbone.0.body.{k}": v for k, v in expected_shapes(body).items()}
         return sanitize(state, expected, source), {"backbone": name}, f"backbone: {name} (backbone-only weights)"
     if huggingface.is_huggingface(state):
         ckpt_args = huggingface.read_config(Path(src))

@@ -22,16 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConversionError
-from ..models.swin import (
-    BUFFERS,
-    MLP_RATIO,
-    OUT_INDICES,
-    PATCH_SIZE,
-    architecture,
-    describe,
-    detect_architecture,
-)
+from ..models.swin import BUFFERS, OUT_INDICES, SwinTransformer, architecture, describe
+from .authors import expected_shapes as parameter_shapes
 from .authors import read_checkpoint
+from .backbones import detect_architecture
 
 CLASSIFIER = re.compile(r"(head|norm)\.")  # the classifier (head.*, head.fc.*) and the final norm
 
@@ -44,39 +38,9 @@ def is_buffer(key: str) -> bool:
 
 def expected_shapes(name) -> dict:
     """{key: shape} of the Swin body's parameters (MLX layout), in HDETR's order, for an architecture
-    (a SWIN_ARCHITECTURES name or a SwinArchitecture), computed without building the model."""
-    arch = architecture(name)
-    embed = arch.embed_dim
-    shapes = {"patch_embed.proj.weight": (embed, PATCH_SIZE, PATCH_SIZE, 3), "patch_embed.proj.bias": (embed,)}
-    shapes.update({"patch_embed.norm.weight": (embed,), "patch_embed.norm.bias": (embed,)})
-    for i, (depth, heads) in enumerate(zip(arch.depths, arch.num_heads, strict=True)):
-        dim = embed * 2**i
-        for j in range(depth):
-            block = f"layers.{i}.blocks.{j}."
-            shapes.update(
-                {
-                    block + "norm1.weight": (dim,),
-                    block + "norm1.bias": (dim,),
-                    block + "attn.relative_position_bias_table": ((2 * arch.window_size - 1) ** 2, heads),
-                    block + "attn.qkv.weight": (3 * dim, dim),
-                    block + "attn.qkv.bias": (3 * dim,),
-                    block + "attn.proj.weight": (dim, dim),
-                    block + "attn.proj.bias": (dim,),
-                    block + "norm2.weight": (dim,),
-                    block + "norm2.bias": (dim,),
-                    block + "mlp.fc1.weight": (MLP_RATIO * dim, dim),
-                    block + "mlp.fc1.bias": (MLP_RATIO * dim,),
-                    block + "mlp.fc2.weight": (dim, MLP_RATIO * dim),
-                    block + "mlp.fc2.bias": (dim,),
-                }
-            )
-        if i < len(arch.depths) - 1:
-            shapes[f"layers.{i}.downsample.reduction.weight"] = (2 * dim, 4 * dim)
-            shapes[f"layers.{i}.downsample.norm.weight"] = (4 * dim,)
-            shapes[f"layers.{i}.downsample.norm.bias"] = (4 * dim,)
-    for i in OUT_INDICES:
-        shapes[f"norm{i}.weight"] = shapes[f"norm{i}.bias"] = (embed * 2**i,)
-    return shapes
+    (a SWIN_ARCHITECTURES name or a SwinArchitecture): those of the body, built for them (MLX is lazy: no
+    weight is computed, but its initial values are drawn from MLX's random stream, as any model's)."""
+    return parameter_shapes(SwinTransformer(name))
 
 
 def _timm_layout(state: dict) -> bool:

@@ -1,6 +1,6 @@
 """Per-level padding masks, the sine position encoding and the valid ratios, computed in the graph
 from `pixel_mask` (the mask is an input; its index tables are constants of the canvas). Mirrors
-backbone.resize_mask, position_encoding.py and DeformableTransformer.valid_ratios.
+backbone_base.resize_mask, position_encoding.py and DeformableTransformer.valid_ratios.
 
 A level's mask here is `not_mask` (float, 1 on the image, 0 on padding), transformers' convention
 and what the position encoding sums."""
@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ...models.backbone import nearest_indices
+from ...models.backbone_base import nearest_indices
 from .builder import Graph
 
 

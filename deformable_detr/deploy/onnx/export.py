@@ -9,6 +9,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ...errors import CommandError, UsageError, install_hint, optional
+from ...models.backbones import backbone_family
 from ...weights.files import atomic_write
 from ..check import TOLERANCE, check_canvas, differences
 
@@ -28,9 +29,9 @@ def check_options(cfg, weights: dict, canvas: tuple, batch: int, sampler: str):
         raise UsageError(f"model.hidden_dim {cfg.hidden_dim}: the input projections' group norm needs a multiple of 32")
     if "class_embed.0.bias" not in weights:
         raise ValueError("the weights have no class_embed.0.bias")
-    if cfg.backbone.startswith("swin"):
+    if backbone_family(cfg.backbone) != "resnet":
         raise UsageError(
-            f"model.backbone {cfg.backbone}: the ONNX graph has a ResNet backbone only; --to mlx exports a Swin model"
+            f"model.backbone {cfg.backbone}: the ONNX graph has a ResNet backbone only; --to mlx exports any backbone"
         )
 
 
