@@ -11,6 +11,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 
 import kernels
 from deformable_detr.models.precision import Precision, check_training_precision, resolve_precision
@@ -323,6 +324,54 @@ def test_a_cycle_of_shapes_longer_than_the_capacity_remakes_every_plan(rng):
             assert lookups("convolution") == (hits + found, misses + made), capacity
     finally:
         extension.set_capacity(before["capacity"])
+
+
+def test_threads_asking_for_the_same_new_plans_at_once_share_one_each(rng):
+    """A plan is made outside the cache's lock, the GIL let go: threads asking for the same new shapes at
+    once may each make a plan, but the cache keeps one a shape (the first inserted, given to every caller),
+    and every answer is right."""
+    extension, before = onednn.module(), onednn.caches()
+    w = mx.array(rng.standard_normal((64, 3, 3, 64)).astype(np.float32) / 24)  # plans of a few ms: they meet
+    images = [mx.array(rng.standard_normal((1, 9, size, 64)).astype(np.float32)) for size in range(40, 46)]
+    rows = [mx.array(rng.standard_normal((size, 576)).astype(np.float32)) for size in range(90, 96)]
+    weight = w.reshape(64, 576)
+    calls = [lambda x=x: onednn.conv2d(x, w, 1, 1) for x in images] + [
+        lambda a=a: onednn.linear(a, weight) for a in rows
+    ]
+    want = [np.array(mx.conv2d(x, w, 1, 1)) for x in images] + [np.array(a @ weight.T) for a in rows]
+    threads, start, got, failed = 4, threading.Barrier(4), {}, []
+
+    def run(thread):
+        try:
+            mx.set_default_stream(mx.new_stream(mx.cpu))  # a thread's own stream, as the server's worker's
+            start.wait()
+            got[thread] = [np.array(call()) for call in calls]
+        except Exception as error:  # noqa: BLE001 (raised below, on the test's thread)
+            failed.append(error)
+        finally:
+            mx.clear_streams()  # as MLX asks of a thread before it ends (serving/batcher.py)
+
+    extension.set_capacity(64)
+    try:
+        counts = {kind: lookups(kind) for kind in ("convolution", "product")}
+        kept = onednn.caches()
+        workers = [threading.Thread(target=run, args=(thread,)) for thread in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert not failed, failed
+        caches = onednn.caches()
+        for kind, plural in [("convolution", "convolutions"), ("product", "products")]:
+            hits, misses = (now - then for now, then in zip(lookups(kind), counts[kind], strict=True))
+            assert hits + misses == threads * 6 and 6 <= misses <= threads * 6, (kind, hits, misses)
+            assert caches[plural] == kept[plural] + 6, (kind, caches)
+    finally:
+        extension.set_capacity(before["capacity"])
+    for thread in range(threads):
+        for answer, first, reference in zip(got[thread], got[0], want, strict=True):
+            assert np.array_equal(answer, first)  # one plan a shape: the same kernel for every thread
+            assert np.abs(answer - reference).max() <= 1e-5 * np.abs(reference).max()
 
 
 def test_kept_weights_are_reused_bounded_never_stale_and_freed_with_their_store(rng):

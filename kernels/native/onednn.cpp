@@ -128,8 +128,8 @@ bool keep_slower_passes() {
 // The caches: plans by shape (count; the class in onednn_shared.h), kept weights by buffer (bytes); least
 // recently used out first.
 
-size_t& plan_capacity_value() {
-  static size_t capacity = 32;  // kernels/onednn.py sets DEFORMABLE_DETR_ONEDNN_PLANS' value
+std::atomic<size_t>& plan_capacity_value() {
+  static std::atomic<size_t> capacity = 32;  // kernels/onednn.py sets DEFORMABLE_DETR_ONEDNN_PLANS' value
   return capacity;
 }
 
@@ -240,7 +240,7 @@ std::unordered_map<std::string, size_t> caches() {
           {"products", products.kept},
           {"product_hits", products.hits},
           {"product_misses", products.misses},
-          {"capacity", plan_capacity_value()},
+          {"capacity", plan_capacity_value().load()},
           {"onednn_capacity", size_t(dnnl::get_primitive_cache_capacity())},
           {"largest_scratchpad", largest_scratchpad.load()}};
 }

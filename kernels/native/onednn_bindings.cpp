@@ -21,10 +21,14 @@ NB_MODULE(_onednn, m) {
       .def_prop_ro("count", &KeptWeights::count)
       .def_prop_ro("bytes", &KeptWeights::bytes)
       .def_prop_ro("capacity", &KeptWeights::capacity);
+  // The GIL let go while a call may make a plan (JIT compiling its primitives: a millisecond to tens of them,
+  // onednn_shared.h's Plans): other Python threads (a server's event loop, its image decoding) run meanwhile.
+  // Nothing there touches Python: the arguments are converted before, the result after.
+  const auto without_gil = nb::call_guard<nb::gil_scoped_release>();
   m.def("conv2d", &kernels_onednn::conv2d, "x"_a, "weight"_a, "stride"_a, "padding"_a, "dilation"_a, "bfloat16"_a,
-        "kept"_a.none(), "threads"_a);
+        "kept"_a.none(), "threads"_a, without_gil);
   m.def("product", &kernels_onednn::product, "a"_a, "b"_a, "bias"_a.none(), "transpose_a"_a, "transpose_b"_a,
-        "bfloat16"_a, "kept"_a.none(), "threads"_a);
+        "bfloat16"_a, "kept"_a.none(), "threads"_a, without_gil);
   m.def("describe", &kernels_onednn::describe);
   m.def("conv2d_implementation", &kernels_onednn::conv2d_implementation, "x"_a, "weight"_a, "stride"_a, "padding"_a,
         "dilation"_a, "bfloat16"_a, "backward"_a = false);

@@ -5,6 +5,7 @@
 
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <list>
 #include <memory>
@@ -74,7 +75,8 @@ Weight weight_as_wanted(const std::shared_ptr<WeightCopies>& kept, const std::sh
 // ---------------------------------------------------------------------------------------------------
 // The plan caches: plans by shape (count), least recently used out first.
 
-size_t& plan_capacity_value();
+// Plans of each kind at most (set_capacity; read by threads that make plans while the GIL is let go).
+std::atomic<size_t>& plan_capacity_value();
 
 // A cache's plans kept now, and its lookups since the process began: found (hits) or made (misses).
 struct PlanCounts {
@@ -85,20 +87,27 @@ template <typename Plan>
 class Plans {
  public:
   // The plan of `key`, made by `make` where it is not kept (then the least recently used goes where
-  // there are more than the capacity).
+  // there are more than the capacity). Made outside the lock: making a plan JIT-compiles its primitives
+  // (a millisecond to tens of them), and the lookups of other threads, for other shapes, go on meanwhile.
+  // Two threads missing the same key may then both make it (two misses): the first inserted is kept and
+  // given to both, the other dropped, so that every caller of a shape holds one plan, whose backward passes
+  // (ConvPlan::make_backward) are then made once.
   std::shared_ptr<Plan> get(const std::string& key, const std::function<std::shared_ptr<Plan>()>& make) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (auto found = index_.find(key); found != index_.end()) {
-      ++hits_;
-      order_.splice(order_.begin(), order_, found->second);
-      return found->second->second;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (auto kept = find(key)) {
+        ++hits_;
+        return kept;
+      }
+      ++misses_;
     }
-    ++misses_;
-    auto plan = make();
-    order_.emplace_front(key, plan);
+    auto made = make();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto kept = find(key)) return kept;  // another thread's, inserted while this one was made
+    order_.emplace_front(key, made);
     index_[key] = order_.begin();
     trim();
-    return plan;
+    return made;
   }
   PlanCounts counts() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -110,6 +119,13 @@ class Plans {
   }
 
  private:
+  // The plan of `key` (now the most recently used), or none; under the lock.
+  std::shared_ptr<Plan> find(const std::string& key) {
+    auto found = index_.find(key);
+    if (found == index_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, found->second);
+    return found->second->second;
+  }
   void trim() {
     while (order_.size() > plan_capacity_value()) {
       index_.erase(order_.back().first);
