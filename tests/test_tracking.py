@@ -4,11 +4,12 @@ IDF1); `predict --track` against `Detector.track`; without the `track` extra, on
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from deformable_detr import build_model, load_config
 from deformable_detr.data.shapes_video import make_video, write_video
-from deformable_detr.errors import CommandError
+from deformable_detr.errors import CommandError, UsageError
 from deformable_detr.inference.detector import Detections, Detector
 from deformable_detr.inference.tracking import DUPLICATES_IOU, Tracking
 from deformable_detr.predict import main as predict_main
@@ -23,7 +24,7 @@ from bench.tracking import accumulate, mot_metrics, noisy_detections
 TINY = Path(__file__).parent / "fixtures" / "tiny.yaml"
 
 # IDF1 measured on make_video(seed 0)'s 200 frames with noisy_detections(seed 0), threshold 0.5:
-# bytetrack 0.944, sort 0.948, ocsort 0.872 (without re-identification 0.794, 0.788, 0.683: an object
+# bytetrack 0.944, sort 0.948, ocsort 0.852 (without re-identification 0.794, 0.788, 0.683: an object
 # back from out of the frame under a new id; OC-SORT withholds an id for minimum_consecutive_frames
 # after every miss, as its authors' code does: more misses). The ids renumbered every 10 frames give
 # 0.07, shuffled within each frame 0.14-0.16.
@@ -109,6 +110,69 @@ def test_an_object_that_comes_back_gets_its_id_back():
     assert set(after) == {before}
     before, after = ids[False][29]["red"], [frame["red"] for frame in ids[False][81:]]
     assert before not in after and len(set(after)) == 1  # a tracker alone: a new identity
+
+
+def test_an_identity_the_tracker_still_keeps_is_not_given_to_another_track():
+    """A red square unseen for 8 frames comes back far from where it was: ByteTrack starts a new track while it
+    keeps the old one in its lost-track buffer (25 frames). The new track has a new identity until the tracker
+    drops the old one, then the old identity (its colour is the only red): the frame it does so, no earlier."""
+    pytest.importorskip("trackers", reason="tracking needs Roboflow's trackers (the track extra, in dev)")
+    tracking, ids, kept = Tracking("bytetrack", 0.5, frame_rate=25), [], []
+    for t in range(70):
+        placed = {"blue": (100 - t // 4, 70, 20, (30, 60, 220), 2)}
+        if t < 20 or t >= 28:
+            placed["red"] = (10 + t // 2, 20, 18, (220, 40, 40), 1) if t < 20 else (120, 10, 18, (220, 40, 40), 1)
+        image, detections = squares(placed, seed=t)
+        out = tracking.update(detections, image)
+        ids.append(dict(zip(placed, out.track_ids.tolist(), strict=True)).get("red"))
+        kept.append({track.tracker_id for track in tracking.tracker.tracks})
+        if t == 19:
+            red_raw = next(raw for raw, identity in tracking.identities.identity.items() if identity == ids[19])
+    red = ids[19]
+    dropped = next(t for t in range(20, 70) if red_raw not in kept[t])
+    assert 29 < dropped < 60
+    assert red not in ids[29:dropped] and len(set(ids[29:dropped])) == 1  # a new identity while the old is kept
+    assert set(ids[dropped:]) == {red}
+
+
+def test_alike_objects_keep_the_trackers_ids():
+    """Four green circles crossing, one of them not drawn for 1.5 s (the issue's video, with a detector's kind
+    of noise): re-identification cannot tell them apart, and leaves each tracker's IDF1 as it is without it
+    (before, a new track took an identity another circle held: IDF1 0.62 / 0.75 / 0.58 against 0.89 / 0.85 /
+    0.84 here for ByteTrack, SORT, OC-SORT)."""
+    pytest.importorskip("trackers", reason="tracking needs Roboflow's trackers (the track extra, in dev)")
+    pytest.importorskip("motmetrics", reason="the reference metrics (dev extra)")
+    video = make_video(seed=102, objects=4, leave=0.0, alike="circle", hidden=(0, 60, 38))
+    noisy = noisy_detections(video.truth, video.size, seed=102)
+    for tracker in IDF1_FLOORS:
+        idf1 = {}
+        for reidentify in (True, False):
+            tracking = Tracking(tracker, threshold=0.5, frame_rate=video.fps, reidentify=reidentify)
+            tracked = [tracking.update(frame, image) for frame, image in zip(noisy, video.frames, strict=True)]
+            idf1[reidentify] = mot_metrics([accumulate(video.truth, tracked)])["idf1"]
+        assert idf1[True] >= idf1[False] > 0.8, (tracker, idf1)
+
+
+def test_the_alike_video():
+    """make_video(alike=, hidden=): every object of the class, in its one colour, on the paths of the video of
+    that seed without them; the hidden one (the farthest) undrawn for those frames, with visibility 0, and no
+    other pixel nor object changed."""
+    plain = make_video(seed=5, frames=40, objects=4, leave=0.0)
+    shown = make_video(seed=5, frames=40, objects=4, leave=0.0, alike="circle")
+    video = make_video(seed=5, frames=40, objects=4, leave=0.0, alike="circle", hidden=(0, 10, 20))
+    assert {o["name"] for objects in video.truth for o in objects} == {"circle"}
+    for t in range(40):
+        assert [o["box"] for o in video.truth[t]] == [o["box"] for o in plain.truth[t]]
+        changed = (np.asarray(video.frames[t]) != np.asarray(shown.frames[t])).any(-1)
+        hidden, seen = video.truth[t][0], shown.truth[t][0]
+        assert video.truth[t][1:] == shown.truth[t][1:] and (hidden == seen) == (not 10 <= t < 30)
+        if 10 <= t < 30:
+            x0, y0, x1, y1 = hidden["box"]
+            assert hidden["visibility"] == 0 and changed[y0:y1, x0:x1].sum() == changed.sum() > 0
+        else:
+            assert not changed.any()
+    colours = {tuple(c) for c in np.asarray(shown.frames[0]).reshape(-1, 3)}
+    assert (40, 200, 60) in colours  # shapes.py's circle colour, unvaried
 
 
 def test_two_objects_of_two_classes_that_overlap_keep_their_ids():
@@ -223,6 +287,23 @@ def test_predict_track_is_detector_track(tiny, tmp_path):
     # to the codec's noise, 0.04% of the pixels 40 levels apart; frames with ids, 7.5-8.2%)
     changed = [(np.abs(one - other).max(-1) > 40).mean() for one, other in zip(drawn, boxes_only, strict=True)]
     assert changed[0] < 0.01 and min(changed[2:]) > 0.03
+
+
+def test_detector_track_refuses_an_option_it_does_not_take(tiny):
+    """`Detector.track`'s options: a misspelt one (the tracker's or re-identification's) is a UsageError when
+    `track` is called, before any frame, not an argument the tracker silently drops or a TypeError later."""
+    pytest.importorskip("trackers", reason="tracking needs Roboflow's trackers (the track extra, in dev)")
+    argv, tmp = tiny
+    detector = Detector.load(tmp / "weights.safetensors", TINY, precision="float32")
+    frames = [np.zeros((64, 64, 3), np.uint8)] * 2
+    for options, words in [
+        ({"lost_buffer": 60}, "tracking option 'lost_buffer': not one of Tracking's (duplicates, low_score, "),
+        ({"reidentify": {"memory": 5}}, "reidentify option 'memory': expected one of memory_s, new, keep, margin"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(words)):
+            detector.track(frames, **options)
+    found = list(detector.track(frames, threshold=0.0, reidentify={"memory_s": 1.0}, lost_track_buffer=10))
+    assert len(found) == 2 and all(frame.track_ids is not None for frame in found)
 
 
 def test_track_needs_the_extra_and_a_video(tiny, tmp_path, monkeypatch, capsys):

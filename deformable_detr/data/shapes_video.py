@@ -8,6 +8,9 @@ random acceleration, so paths cross and bend, and nearer objects hide farther on
 off the frame's edges, but now and then (`leave`, the chance at each bounce) one goes through, out of
 the frame, turns back at a wall up to `margin` pixels beyond it, and comes back in: out for a few
 frames to a few seconds (a tracker without appearance features must recognise it again).
+Alike objects (`alike`: every object of one class, in that class's one colour) leave nothing but
+motion to tell them apart; `hidden` leaves one of them undrawn for a while (behind something the
+video does not show), moving on its path, as a re-identification test wants.
 The background is shapes.py's texture, still (the camera does not move), with fresh sensor noise in
 every frame. Deterministic from its seed.
 
@@ -17,6 +20,7 @@ Ground truth per frame: every object whose box meets the frame, {"id", "category
 shape (MOTChallenge's visibility).
 
     python -m deformable_detr.data.shapes_video OUT.mp4 [--frames 200] [--objects 6] [--seed 0] [--fps 25]
+                                                [--alike circle [--hide FIRST FRAMES]]
 
 writes OUT.mp4 (H.264; the `video` extra), OUT.gt.json ({"fps", "width", "height", "seed", "frames":
 [{"frame", "objects": [...]}]}) and OUT.gt.txt (MOTChallenge's gt.txt: frame, id, x, y, w, h, 1,
@@ -58,10 +62,15 @@ def make_video(
     margin: int = 40,
     fps: float = 25.0,
     categories=CATEGORIES,
+    alike: str | None = None,
+    hidden: tuple[int, int, int] | None = None,
 ) -> ShapesVideo:
     """The video of the module's docstring: `size` (width, height), `objects` shapes of `sizes` pixels
     (smallest, largest) at `speed` pixels a frame; at a bounce on the frame's edge a shape leaves the
-    frame instead with chance `leave`, turning back 4 to `margin` pixels beyond where it is wholly out."""
+    frame instead with chance `leave`, turning back 4 to `margin` pixels beyond where it is wholly out.
+    `alike`: a class of `categories`, every object's, in its one colour (shapes.py's SHAPES, unvaried);
+    `hidden` (object, first frame, frames): that object (0: the first, the farthest) not drawn for those
+    frames, in the ground truth with visibility 0. Without them, the same video as before for a seed."""
     rng = np.random.default_rng(seed)
     width, height = size
     frame = np.array([width, height])
@@ -73,6 +82,9 @@ def make_video(
         tuple(int(c) for c in np.clip(np.array(SHAPES[categories[k]]) + rng.integers(-30, 31, 3), 0, 255))
         for k in kinds
     ]
+    if alike is not None:  # drawn as above all the same (the random stream as it was), then made one
+        kinds = np.full(objects, categories.index(alike))
+        colours = [SHAPES[alike]] * objects
     position = rng.uniform(0, 1, (objects, 2)) * (frame - extent)  # all in the first frame
     angle = rng.uniform(0, 2 * np.pi, objects)
     velocity = rng.uniform(*speed, objects)[:, None] * np.stack([np.cos(angle), np.sin(angle)], 1)
@@ -86,22 +98,26 @@ def make_video(
     ]
     walls = (low, high, away)
     video, truth = [], []
-    for _ in range(frames):
-        image, seen = _frame(rng, background, np.round(position).astype(int), shapes)
+    for t in range(frames):
+        gone = () if hidden is None or not hidden[1] <= t < hidden[1] + hidden[2] else (hidden[0],)
+        image, seen = _frame(rng, background, np.round(position).astype(int), shapes, gone)
         video.append(image)
         truth.append(seen)
         _move(rng, position, velocity, walls, frame, extent, speed, leave, margin)
     return ShapesVideo(video, truth, fps, seed)
 
 
-def _frame(rng, background, corners, shapes: list) -> tuple:
+def _frame(rng, background, corners, shapes: list, hidden=()) -> tuple:
     """One frame: the shapes (category id, name, side, colour, area) drawn at `corners` over `background` with fresh
-    noise, object 1 farthest -> (the image, the ground truth of the objects at least partly in it)."""
+    noise, object 1 farthest, those of index in `hidden` not drawn -> (the image, the ground truth of the objects
+    at least partly in it)."""
     height, width = background.shape[:2]
     image = Image.fromarray((background + rng.normal(0, 3, background.shape)).clip(0, 255).astype(np.uint8))
     pen, ids = ImageDraw.Draw(image), Image.new("L", (width, height), 0)
     id_pen = ImageDraw.Draw(ids)
     for i, (_, name, side, colour, _) in enumerate(shapes):  # the later hide the earlier
+        if i in hidden:
+            continue
         x, y = (int(v) for v in corners[i])
         _draw_shape(pen, name, x, y, side, colour)
         _draw_shape(id_pen, name, x, y, side, i + 1)
@@ -181,8 +197,15 @@ def main(argv=None):
     parser.add_argument("--objects", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fps", type=float, default=25.0)
+    parser.add_argument("--alike", choices=CATEGORIES, help="every object of this class, in its one colour")
+    parser.add_argument(
+        "--hide", type=int, nargs=2, metavar=("FIRST", "FRAMES"), help="the first object not drawn for FRAMES frames"
+    )
     args = parser.parse_args(argv)
-    video = make_video(args.seed, args.frames, objects=args.objects, fps=args.fps)
+    if args.hide is not None and (args.hide[0] < 0 or args.hide[1] < 1):
+        parser.error(f"--hide {args.hide[0]} {args.hide[1]}: expected a first frame of at least 0 and 1 frame or more")
+    hidden = None if args.hide is None else (0, *args.hide)
+    video = make_video(args.seed, args.frames, objects=args.objects, fps=args.fps, alike=args.alike, hidden=hidden)
     path = write_video(args.output, video)
     print(
         f"wrote {args.frames} frames ({video.size[0]} x {video.size[1]}) of {args.objects} shapes to {path}, "

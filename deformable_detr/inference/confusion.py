@@ -32,18 +32,17 @@ from ..errors import MissingExtra, optional
 
 IOU = 0.5  # a detection and a box match above this IoU
 THRESHOLD = 0.3  # the score a detection needs to be counted: the pictures' (predictions.png), supervision's default
-EXTRA = "confusion-matrix"
+EXTRA, NEEDED_FOR = "confusion-matrix", "the confusion matrix"  # `optional`'s words for supervision
 
 
 @functools.cache
 def supervision():
     """The supervision package, or None: then `optional`'s line (once a process), the matrix left out."""
     try:
-        return optional("supervision", EXTRA, "the confusion matrix")
+        return optional("supervision", EXTRA, NEEDED_FOR)
     except MissingExtra as missing:
         print(f"confusion matrix left out: {missing}", file=sys.stderr)
         return None
-    return supervision
 
 
 def confusion_matrix(coco_gt, detections: list, threshold: float = THRESHOLD, iou: float = IOU) -> dict | None:
@@ -93,8 +92,8 @@ def corners(box) -> list:
 def draw_confusion_matrix(record: dict, path=None) -> Image.Image:
     """The counts of `record` (`confusion_matrix`'s) drawn by supervision (rows: the ground truth, its
     last "FP": false positives; columns: predicted, the last "FN": missed boxes); saved to `path` where
-    given, returned."""
-    import supervision as sv
+    given, returned. A record is made where supervision is: without it, `optional`'s MissingExtra."""
+    sv = optional("supervision", EXTRA, NEEDED_FOR)
     from matplotlib import pyplot
 
     names = record["classes"][:-1]

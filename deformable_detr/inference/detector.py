@@ -241,7 +241,8 @@ class Detector:
         identity: those at `threshold` as `predict` gives them, and with ByteTrack the lower-scored ones
         it matched to a track (inference/tracking.py). `tracker`: bytetrack, sort or ocsort, Roboflow's
         `trackers` (the `track` extra); `frame_rate` the video's; `options` `Tracking`'s (duplicates,
-        low_score, reidentify) and the tracker's own arguments (e.g. lost_track_buffer=60)."""
+        low_score, reidentify: True, False or a dict of `Identities`' options, e.g. {"margin": 0.3}) and the
+        tracker's own arguments (e.g. lost_track_buffer=60); a name neither takes is a UsageError, here."""
         tracking = Tracking(tracker, threshold, frame_rate, **options)  # here: a bad name or no extra raises now
 
         def tracked(frames):

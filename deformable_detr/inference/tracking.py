@@ -29,13 +29,21 @@ query's box under a second class (IoU 1) goes. A box left out has no identity, -
 A tracker without appearance features gives an object a new id whenever it comes back after its
 lost-track buffer (a second: out of the frame, hidden behind another), and can carry an id from one
 object to another where two cross. `Identities` looks at each identified box's colours (a histogram of
-its middle, `appearance`): a new track that looks like an identity lost in the last `memory_s` seconds,
-of the same class, takes that identity; a track whose box stops looking like its identity (it has
-jumped to another object) takes the lost identity it looks like, if any; where the tracker goes on
-following an object under an old track whose identity a new one took, the two boxes meet and the
-lower-scored has none. On the bench's videos this takes ByteTrack's IDF1 from 0.70 to 0.83. Colour
-histograms are a weak cue on real scenes with many alike objects (there a re-identification network is
-the tool; not here: no such model runs without PyTorch); `reidentify=False` turns it off.
+its middle, `appearance`), and makes the tracker's ids no worse:
+
+- an identity the tracker still follows (a track in this frame, or one in its lost-track buffer) is
+  never given to another track;
+- a lost identity (of the box's class, seen in the last `memory_s` seconds) is taken back only where
+  colour tells it apart: no other object's identity (one seen in the same frame as it or as the box's
+  object) looks as much like the box, within `margin`. It is taken by a new track (the object is
+  back), by a track whose box stops looking like its identity (the track jumped onto another object),
+  or by a second track the tracker started on an object whose first track it then dropped.
+
+Alike objects (one class, one colour) cannot be told apart by colour: they keep the tracker's ids, as
+motion alone has them (bench/results/tracking_cpu.txt and tracking_alike_cpu.txt measure both). A
+re-identification network is the tool for real scenes of alike objects (people, cars); none runs here
+without PyTorch. `reidentify=False` turns it off; a dict of `Identities`' options (memory_s, new, keep,
+margin, blend) tunes it.
 
 The output: the frame's detections at the threshold (as `predict` gives them, in order) and, with
 ByteTrack, the lower-scored ones it matched, each with `track_ids` (n,) int: -1 where there is no
@@ -43,11 +51,14 @@ identity (a track confirmed only at its second matched frame: trackers' ByteTrac
 whether `minimum_consecutive_frames` is 1 or 2, so 1 changes nothing; a duplicate; a query's second
 class).
 
-The options (`Tracking(..., **options)`, `Detector.track(..., **options)`) go to the tracker as they
-are, over the ones set here: e.g. lost_track_buffer=60 (frames at 30 frames/s), minimum_iou_threshold,
-track_activation_threshold; tests/test_tracking.py checks that they reach it."""
+The options (`Tracking(..., **options)`, `Detector.track(..., **options)`): `Tracking`'s own (duplicates,
+low_score, reidentify) and the tracker's, which go to it as they are, over the ones set here: e.g.
+lost_track_buffer=60 (frames at 30 frames/s), minimum_iou_threshold, track_activation_threshold; a name
+that neither takes is refused (a UsageError naming what is taken), not passed on. tests/test_tracking.py
+checks that they reach it."""
 
 import dataclasses
+import inspect
 
 import numpy as np
 from PIL import Image
@@ -64,6 +75,11 @@ def _trackers():
     return optional("trackers", "track", "tracking")  # Roboflow's
 
 
+def supervision():
+    """supervision (the trackers' own dependency: the `track` extra brings it), or MissingExtra naming that extra."""
+    return optional("supervision", "track", "tracking")
+
+
 def check_tracker(name: str):
     """Before any work: `name` is one of TRACKERS and trackers is installed."""
     if name not in TRACKERS:
@@ -78,7 +94,9 @@ class Tracking:
     scales with it); `duplicates`: (IoU within a class, IoU across classes) over which a box is a
     duplicate of a better one and not given to the tracker (None: every box is); `low_score`: the lowest
     score ByteTrack is given (None: the threshold, no second association); `reidentify`: `Identities`
-    over the tracker's ids; `options`: the tracker's own arguments, over the ones set here."""
+    over the tracker's ids (True), with its options (a dict: memory_s, new, keep, margin, blend), or none
+    (False); `options`: the tracker's own arguments, over the ones set here (a name it does not take is
+    a UsageError, as is a reidentify option `Identities` does not take)."""
 
     def __init__(
         self,
@@ -87,7 +105,7 @@ class Tracking:
         frame_rate: float = 30.0,
         duplicates: tuple | None = DUPLICATES_IOU,
         low_score: float | None = LOW_SCORE,
-        reidentify: bool = True,
+        reidentify: bool | dict = True,
         **options,
     ):
         check_tracker(tracker)
@@ -101,15 +119,15 @@ class Tracking:
             self.floor, settings, kind = threshold, dict(track_activation_threshold=threshold), trackers.SORTTracker
         else:
             self.floor, settings, kind = threshold, dict(high_conf_det_threshold=threshold), trackers.OCSORTTracker
+        check_options(tracker, kind, options)
         self.tracker = kind(frame_rate=frame_rate, **(settings | options))
-        self.identities = Identities(frame_rate) if reidentify else None
+        self.identities = identities(reidentify, frame_rate)
 
     def update(self, detections, image=None):
         """A frame's `Detections` (at `floor` or below; best first, as `Detector.predict` gives them) and
         its image (PIL or (H, W, 3) uint8; needed to reidentify) -> those at the threshold and those below
         it that the tracker matched, in their order, with `track_ids`."""
-        import supervision as sv
-
+        sv = supervision()
         given = detections.at_threshold(self.floor)
         frame = sv.Detections(
             xyxy=np.asarray(given.boxes, np.float32).reshape(-1, 4),
@@ -128,9 +146,36 @@ class Tracking:
         if self.identities is not None:
             if image is None:
                 raise ValueError("Tracking.update(detections, image): reidentify=True looks at the frame's image")
-            track_ids = self.identities.update(np.asarray(image), given, track_ids, self.threshold)
+            held = [track.tracker_id for track in self.tracker.tracks if track.tracker_id >= 0]  # its lost ones too
+            track_ids = self.identities.update(np.asarray(image), given, track_ids, held, self.threshold)
         shown = (given.scores >= self.threshold) | (track_ids >= 0)
         return dataclasses.replace(given, track_ids=track_ids).where(shown)
+
+
+def check_options(tracker: str, kind, options: dict) -> None:
+    """`options` are arguments of the tracker class `kind` (its constructor's names, frame_rate aside:
+    Tracking's own), or a UsageError naming the one that is not and what is taken."""
+    taken = [name for name in inspect.signature(kind).parameters if name not in ("self", "frame_rate")]
+    for name in options:
+        if name not in taken:
+            raise UsageError(
+                f"tracking option {name!r}: not one of Tracking's (duplicates, low_score, reidentify) nor "
+                f"{tracker}'s ({', '.join(taken)})"
+            )
+
+
+def identities(reidentify, frame_rate: float):
+    """`Tracking`'s `reidentify` -> its `Identities` (True: the defaults; a dict: those options over them) or
+    None (False); else a UsageError."""
+    if reidentify is True or reidentify is False:
+        return Identities(frame_rate) if reidentify else None
+    if not isinstance(reidentify, dict):
+        options = ", ".join(Identities.OPTIONS)
+        raise UsageError(f"reidentify {reidentify!r}: expected True, False or a dict of {options}")
+    for name in reidentify:
+        if name not in Identities.OPTIONS:
+            raise UsageError(f"reidentify option {name!r}: expected one of {', '.join(Identities.OPTIONS)}")
+    return Identities(frame_rate, **reidentify)
 
 
 def appearance(image: np.ndarray, box, bins: int = 8, middle: float = 0.6) -> np.ndarray:
@@ -156,14 +201,24 @@ def likeness(one: np.ndarray, other: np.ndarray) -> float:
 class Identities:
     """Ids that last through a tracker's losses (the module's docstring): the tracker's ids (raw) mapped
     to identities. Each identity keeps its look (`appearance`, a running blend of its confident boxes
-    that overlap no other identified box), its class (the most seen) and the frame it was last seen in.
+    that overlap no other identified box, `blend` the old look's share), its class (the most seen), the
+    frames it was first and last seen in, the frame the tracker dropped its last raw id (lost), and the
+    identities it was seen with in one frame (other objects, surely).
 
-    A raw id not seen before takes the identity lost for at most `memory_s` seconds, of its class, that
-    it looks most like, at `new` likeness or more; else a new identity (numbered from 0). A raw id
-    whose box looks less than `keep` like its identity moves to a lost one of its class that it looks like
-    at `new` or more and by `margin` more. Two raw ids on one identity in a frame (the tracker kept an old
-    track whose identity a new one took): the better scored keeps it; the other has none where their boxes
-    meet (one object followed twice), and is matched again where they are apart (two objects alike)."""
+    An identity held by a raw id the tracker still keeps (in this frame or in its lost-track buffer:
+    `update`'s `held`) is never given to another raw id. A lost one, of the box's class and seen within
+    `memory_s` seconds, is taken where appearance tells it apart: the box looks at least `new` like it,
+    and every other identity that it looks as much like (within `margin`) is one never seen with it nor
+    with the box's object, so perhaps the same object under another track (then the first seen of them
+    is taken, or, if the tracker still holds that one, none). Taken so: by a raw id not seen before (an
+    object back); by one whose box looks less than `keep` like its identity (its track went onto another
+    object); by one whose identity began after the lost one was last seen and before the tracker dropped
+    it (a second track on one object: once the first is dropped, the second is the first, its own
+    identity gone). Else the tracker's id stands (a new identity, numbered from 0): alike objects keep
+    the tracker's ids (motion). The tables hold the raw ids the tracker keeps and the identities held or
+    seen within `memory_s`: bounded over a stream of any length."""
+
+    OPTIONS = ("memory_s", "new", "keep", "margin", "blend")  # `Tracking(reidentify={...})` takes these
 
     def __init__(
         self,
@@ -174,48 +229,68 @@ class Identities:
         margin: float = 0.2,
         blend: float = 0.8,
     ):
+        for name, value, low, high in [
+            ("memory_s", memory_s, 0.0, float("inf")),
+            ("new", new, 0.0, 1.0),
+            ("keep", keep, 0.0, 1.0),
+            ("margin", margin, 0.0, 1.0),
+            ("blend", blend, 0.0, 1.0),
+        ]:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise UsageError(f"reidentify {name}={value!r}: expected a number from {low:g} to {high:g}")
         self.memory = memory_s * frame_rate  # in frames
         self.new, self.keep, self.margin, self.blend = new, keep, margin, blend
         self.frame, self.count = -1, 0
-        self.identity = {}  # raw id -> identity
-        self.look, self.classes, self.last = {}, {}, {}  # identity -> histogram, {label: count}, frame
+        self.identity = {}  # raw id the tracker keeps -> identity
+        self.look, self.classes, self.met = {}, {}, {}  # identity -> histogram, {label: count}, {identity seen with}
+        self.first, self.last, self.lost = {}, {}, {}  # identity -> frame first seen, last seen, lost
 
-    def update(self, image: np.ndarray, detections, raw_ids: np.ndarray, threshold: float) -> np.ndarray:
-        """This frame's `detections` (best first) with the tracker's `raw_ids` (-1: none) -> their identities."""
-        import supervision as sv
-
+    def update(self, image: np.ndarray, detections, raw_ids: np.ndarray, held, threshold: float) -> np.ndarray:
+        """This frame's `detections` (best first) with the tracker's `raw_ids` (-1: none) and `held`, the raw
+        ids the tracker keeps after this frame (those it saw and those in its lost-track buffer) -> their
+        identities (-1 where the raw id is -1)."""
+        sv = supervision()
         self.frame += 1
+        rows = [j for j in range(len(raw_ids)) if raw_ids[j] >= 0]
+        self._drop_raw_ids({int(raw) for raw in held} | {int(raw_ids[j]) for j in rows})
         self._forget()
         ids = np.full(len(raw_ids), -1, np.int64)
-        rows = [j for j in range(len(raw_ids)) if raw_ids[j] >= 0]
         looks = {j: appearance(image, detections.boxes[j]) for j in rows}
         boxes = np.asarray(detections.boxes, np.float32).reshape(-1, 4)
         overlaps = sv.box_iou_batch(boxes, boxes)  # IoU of every two boxes (0 where no union), once a frame
         np.fill_diagonal(overlaps, 0)
-        taken = {}  # identity -> the row holding it this frame
+        holding = set(self.identity.values())  # identities that no other raw id may take
+        here = {j: self.identity.get(int(raw_ids[j])) for j in rows}  # this frame's: other objects than each box's
         for j in rows:  # best scored first
             raw, label = int(raw_ids[j]), int(detections.labels[j])
-            identity = self.identity.get(raw)
-            if identity in taken:  # two tracks on one identity: the better scored (taken first) keeps it
-                if overlaps[taken[identity], j] > 0:
-                    continue  # their boxes meet: one object the tracker follows twice; this one has no id
-                identity = None  # apart: two objects alike; this one is matched again
-            if identity is not None and identity in self.look:
-                now = likeness(self.look[identity], looks[j])
-                if now < self.keep:  # the tracker's track has gone onto another object
-                    other, alike = self._lost_like(looks[j], label, taken)
-                    identity = other if other is not None and alike >= now + self.margin else identity
-            if identity is None:
-                identity = self._lost_like(looks[j], label, taken)[0]
+            others = {identity for row, identity in here.items() if row != j and identity is not None}
+            identity = here[j]
+            if identity is None:  # a new track: an object back?
+                identity = self._told_apart(looks[j], label, holding, others)
+            elif identity in self.look:
+                if likeness(self.look[identity], looks[j]) < self.keep:  # its track went onto another object
+                    found = self._told_apart(looks[j], label, holding, others, identity)
+                    if found is not None:
+                        self.lost[identity] = self.frame
+                else:  # a second track on one object, whose first track the tracker has dropped since?
+                    began, others = self.first[identity], others | self.met[identity]
+                    found = self._told_apart(looks[j], label, holding, others, identity, began)
+                    if found is not None:
+                        self._drop(identity)  # the second track's own identity: the first's from here
+                if found is not None:
+                    holding.discard(identity)
+                    identity = found
             if identity is None:
                 identity, self.count = self.count, self.count + 1  # a new one: ids from 0 in order of appearance
-            self.identity[raw], ids[j] = identity, identity
-            taken[identity] = j
+            self.identity[raw], ids[j], here[j] = identity, identity, identity
+            holding.add(identity)
+            self.lost.pop(identity, None)
+        seen = {int(identity) for identity in ids[rows]}
         for j in rows:
             identity, label = int(ids[j]), int(detections.labels[j])
-            if identity < 0:
-                continue
+            self.first.setdefault(identity, self.frame)
             self.last[identity] = self.frame
+            self.met.setdefault(identity, set()).update(seen - {identity})
             counts = self.classes.setdefault(identity, {})
             if detections.scores[j] >= threshold or not counts:
                 counts[label] = counts.get(label, 0) + 1
@@ -225,36 +300,60 @@ class Identities:
                 self.look[identity] = looks[j] if before is None else self.blend * before + (1 - self.blend) * looks[j]
         return ids
 
-    def _forget(self) -> None:
-        """Identities unseen for over `memory` frames, and the raw ids on them, dropped: a long video (a
-        server's stream) keeps what it can still match, not every id it has seen."""
-        gone = {identity for identity, last in self.last.items() if self.frame - last > self.memory}
-        if gone:
-            for table in (self.look, self.classes, self.last):
-                for identity in gone:
-                    table.pop(identity, None)
-            self.identity = {raw: identity for raw, identity in self.identity.items() if identity not in gone}
+    def _told_apart(
+        self, look: np.ndarray, label: int, holding: set, others: set, itself=None, began=None
+    ) -> int | None:
+        """The lost identity (of class `label`, not in `holding`; with `began`, last seen before that frame and
+        lost since) that `look`, a box's, is most like, at `new` or more, where no identity in `others` (other
+        objects than the box's) nor any seen with it looks as much like the box (within `margin`); of those
+        that do, never seen with it, the first seen (if lost), else None. `itself`: the box's own identity."""
+        alike = {
+            identity: likeness(known, look)
+            for identity, known in self.look.items()
+            if identity != itself and self._label(identity) == label
+        }
+        lost = [identity for identity in alike if identity not in holding and alike[identity] >= self.new]
+        if began is not None:  # the second track's identity began while the first was gone but held
+            lost = [identity for identity in lost if self.last[identity] < began <= self.lost.get(identity, -1)]
+        if not lost:
+            return None
+        best = max(lost, key=alike.get)
+        close = [identity for identity in alike if identity != best and alike[identity] > alike[best] - self.margin]
+        if any(identity in others or identity in self.met[best] for identity in close):
+            return None  # another object looks as much like it: nothing tells them apart
+        first = min([best, *close], key=self.first.get)  # one object under several tracks: its first identity
+        return first if first in lost else None
 
-    def _lost_like(self, look: np.ndarray, label: int, taken: dict) -> tuple[int | None, float]:
-        """(the identity not in this frame, seen within memory, of class `label`, that `look` is most like
-        at `new` or more, its likeness), or (None, 0)."""
-        best, alike = None, 0.0
-        for identity, known in self.look.items():
-            if identity in taken:
-                continue
-            counts = self.classes[identity]
-            if max(counts, key=counts.get) != label:
-                continue
-            score = likeness(known, look)
-            if score >= self.new and score > alike:
-                best, alike = identity, score
-        return best, alike
+    def _label(self, identity: int) -> int:
+        counts = self.classes[identity]
+        return max(counts, key=counts.get)
+
+    def _drop_raw_ids(self, kept: set) -> None:
+        """The raw ids the tracker no longer keeps, out of the table; an identity none of them holds now is lost."""
+        dropped = {raw: identity for raw, identity in self.identity.items() if raw not in kept}
+        for raw in dropped:
+            del self.identity[raw]
+        for identity in set(dropped.values()) - set(self.identity.values()):
+            self.lost[identity] = self.frame
+
+    def _forget(self) -> None:
+        """Identities not held and unseen for over `memory` frames dropped: a long video (a server's stream)
+        keeps what it can still match, not every identity it has seen."""
+        held = set(self.identity.values())
+        for identity, last in list(self.last.items()):
+            if self.frame - last > self.memory and identity not in held:
+                self._drop(identity)
+
+    def _drop(self, identity: int) -> None:
+        for table in (self.look, self.classes, self.first, self.last, self.lost):
+            table.pop(identity, None)
+        for other in self.met.pop(identity, ()):
+            self.met[other].discard(identity)
 
 
 def as_supervision(detections):
     """`Detections` with `track_ids` -> supervision's `sv.Detections` (xyxy, confidence, class_id, tracker_id)."""
-    import supervision as sv
-
+    sv = supervision()
     return sv.Detections(
         xyxy=np.asarray(detections.boxes, np.float32).reshape(-1, 4),
         confidence=np.asarray(detections.scores, np.float32),
@@ -271,9 +370,7 @@ class TrackDrawing:
     order on arrays."""
 
     def __init__(self, trail: int = 20):
-        trackers = _trackers()
-        import supervision as sv
-
+        trackers, sv = _trackers(), supervision()
         self.trace = trackers.MotionAwareTraceAnnotator(trace_length=trail, thickness=1)
         self.labels = sv.LabelAnnotator(
             text_scale=0.35,
