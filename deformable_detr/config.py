@@ -24,6 +24,7 @@ from .errors import UsageError
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # the shipped configs (a checkout's configs/ links here)
 EXIF_FRAMES = ("auto", "displayed", "stored")  # data.exif_orientation's choices (data/images.py reads by them)
+BIG = 1 << 20  # a count's range's bound above: none in practice
 
 
 @dataclass
@@ -31,19 +32,23 @@ class ModelConfig:
     # resnet18 | resnet34 | resnet50 | resnet101 | swin_tiny | swin_small | swin_base | swin_large (window 7) |
     # swin_base_window12 | swin_large_window12 (window 12, ImageNet-22k at 384)
     backbone: str = "resnet50"
-    backbone_width: int = 64  # a ResNet's first stage's channels (torchvision: 64); smaller for a small model
+    # a ResNet's first stage's channels (torchvision: 64); smaller for a small model
+    backbone_width: int = field(default=64, metadata={"range": (1, BIG)})
     dilation: bool = False  # DC5: dilate a ResNet's last stage instead of striding it
-    drop_path_rate: float = 0.2  # Swin backbones: stochastic depth's rate in the last block (H-Deformable-DETR's 0.2)
-    num_feature_levels: int = 4
-    hidden_dim: int = 256
-    nheads: int = 8
+    # Swin backbones: stochastic depth's rate in the last block (H-Deformable-DETR's 0.2)
+    drop_path_rate: float = field(default=0.2, metadata={"range": (0.0, 1.0)})
+    # 1: the backbone's last map; more: its maps (3), then extra levels made from the last. Which settings
+    # go together (this with the backbone, hidden_dim with nheads, ...): models/combinations.py
+    num_feature_levels: int = field(default=4, metadata={"range": (1, BIG)})
+    hidden_dim: int = field(default=256, metadata={"range": (1, BIG)})
+    nheads: int = field(default=8, metadata={"range": (1, BIG)})
     enc_layers: int = 6
-    dec_layers: int = 6
-    dim_feedforward: int = 1024
-    dropout: float = 0.1
+    dec_layers: int = field(default=6, metadata={"range": (1, BIG)})
+    dim_feedforward: int = field(default=1024, metadata={"range": (1, BIG)})
+    dropout: float = field(default=0.1, metadata={"range": (0.0, 1.0)})
     enc_n_points: int = 4
     dec_n_points: int = 4
-    num_queries: int = 300
+    num_queries: int = field(default=300, metadata={"range": (1, BIG)})
     # COCO category ids run 1..90; index 0 and the gaps are never targets. `auto`: the largest
     # category id of the train annotations + 1 (train.py), or the weights' class count (eval, predict).
     num_classes: int = field(default=91, metadata={"auto": True})
@@ -59,7 +64,7 @@ class ModelConfig:
     look_forward_twice: bool = False
     # the hybrid branch: this many more queries, trained one-to-many (loss.k_one2many) and kept apart from the
     # num_queries one-to-one queries in the decoder's self-attention; in training only (0: none)
-    num_queries_one2many: int = field(default=0, metadata={"range": (0, 1 << 20)})
+    num_queries_one2many: int = field(default=0, metadata={"range": (0, BIG)})
 
 
 @dataclass

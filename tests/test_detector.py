@@ -100,7 +100,8 @@ def test_evaluate_is_eval_py(trained, detector, tmp_path):  # noqa: F811
     root, output = trained
     stats = detector.evaluate(root, output_dir=tmp_path / "api")
     checkpoint = str(output / "checkpoint.safetensors")
-    eval_script.main(["--checkpoint", checkpoint, "--coco-path", str(root), "--output-dir", str(tmp_path)])
+    argv = ["--checkpoint", checkpoint, "--coco-path", str(root), "--output-dir", str(tmp_path)]
+    eval_script.main([*argv, "--precision", "float32"])  # asked, as the detector's (the default is said so)
     assert stats == json.loads((tmp_path / "eval_results.json").read_text())
     assert stats == json.loads((tmp_path / "api" / "eval_results.json").read_text())
     assert stats["AR100"] > 0 and set(stats["per_class"]) == set(detector.class_names.values())
@@ -186,6 +187,7 @@ def test_evaluate_takes_a_yolo_data_yaml(trained, detector, tmp_path):  # noqa: 
         detector.model,
         dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset="yolo")),
         detector.class_names,
+        precision=detector.precision,
     )
     stats = yolo.evaluate(data_yaml)
     assert stats["AR100"] > 0 and stats == detector.evaluate(root)  # the same images and boxes: the same AP

@@ -62,7 +62,7 @@ def test_eval_equals_pycocotools_on_the_detections_it_wrote(trained, tmp_path):
     written = json.loads((tmp_path / "eval_results.json").read_text())
     assert written == stats
     assert list(written) == [*STAT_NAMES, "per_class", "ground_truth", "confusion_matrix", "precision"]
-    assert written["precision"] == {"ran": "float32", "asked": "float32", "reason": "asked for"}  # eval's default
+    assert written["precision"] == {"ran": "float32", "asked": "float32", "reason": "the default"}  # eval's
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO(str(root / "annotations" / "instances_val2017.json"))
         evaluator = COCOeval(gt, gt.loadRes(str(tmp_path / "detections_val.json")), "bbox")

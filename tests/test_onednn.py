@@ -205,7 +205,8 @@ def test_precision_resolves_once_from_whether_bfloat16_products_are_fast(monkeyp
     asked = resolve_precision("bfloat16")
     assert asked == Precision("float32", "bfloat16", f"bfloat16 asked for, but {why}")
     assert str(asked) == f"float32 (bfloat16 asked for, but {why})" and asked.dtype == mx.float32
-    assert resolve_precision("float32") == Precision() == Precision("float32", "float32", "asked for")
+    assert resolve_precision("float32") == Precision("float32", "float32", "asked for")
+    assert Precision() == Precision("float32", "float32", "the default")  # a Detector given none
     assert check_training_precision("bfloat16", even_if_slow=False).startswith(f"train.precision=bfloat16: {why}")
     assert check_training_precision("bfloat16", even_if_slow=True) is None
     assert check_training_precision("float32", even_if_slow=False) is None

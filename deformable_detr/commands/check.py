@@ -17,6 +17,7 @@ from ..config import load_config
 from ..data import build_dataset, data_path
 from ..data.audit import Report, check_split
 from ..errors import CommandError, entry_point
+from ..models.combinations import check_model
 from .cli import OVERRIDE_HELP, command_parser, split_overrides
 
 SPLITS = ("train", "val")
@@ -60,6 +61,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_intermixed_args(argv)  # overrides before and after the options
     cfg = load_config(args.config, split_overrides(args.overrides)[0])  # written as in every command (cli.py)
+    check_model(cfg.model)  # a model training could not build: said before the data is read
     print(f"data.dataset {cfg.data.dataset}, at {data_path(cfg.data)}")
     if cfg.data.dataset == "shapes" and not (Path(data_path(cfg.data)) / "annotations").exists():
         print(

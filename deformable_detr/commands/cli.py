@@ -22,6 +22,7 @@ positional `section.key=value` (`seed=N`), as train always took them, because
 The old spellings (`OLD_SPELLINGS`: `export SRC DST`, `predict --set KEY=VALUE`) work for one release
 more, with a one-line note on stderr, once a run, naming the new one (`note_old_spelling`)."""
 
+import argparse
 import dataclasses
 import re
 import sys
@@ -54,12 +55,22 @@ def command_parser(command: str, doc: str) -> ArgumentParser:
     return ArgumentParser(prog=prog(command), description=doc.split("\n\n")[0])
 
 
+class Asked(argparse.Action):
+    """Stores the option's value, and that it was given: `precision_asked`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.precision_asked = True
+
+
 def add_precision(parser, default: str):
     """--precision, as predict, eval and serve take it (models/precision.py)."""
+    parser.set_defaults(precision_asked=False)  # where --precision is not given, the precision line says so
     parser.add_argument(
         "--precision",
         choices=INFERENCE_PRECISIONS,
         default=default,
+        action=Asked,
         help=f"the products' precision (default {default}): auto is bfloat16 where its products are fast (a CPU "
         "with AMX or AVX512-BF16, through oneDNN; a GPU), float32 elsewhere; bfloat16 where they are not fast "
         "runs float32, and the precision line says why",
@@ -129,6 +140,8 @@ def load_detector(args, config: Config | None = None) -> Detector:
     options = {"precision": args.precision} if "precision" in vars(args) else {}
     config = args.config if config is None else config
     detector = Detector.load(args.checkpoint, config, args.overrides, raw_weights=args.raw_weights, **options)
+    if options and not args.precision_asked:  # the command's default: said so, not "asked for"
+        detector.precision = detector.precision.as_default()
     if options:
         say_precision(detector)
     return detector

@@ -39,6 +39,7 @@ from ..inference.inputs import VIDEO_SUFFIXES, Unreadable, displayed_size, find_
 from ..inference.slicing import OVERLAP, parse_slice
 from ..inference.tracking import TRACKERS
 from ..inference.visualize import draw_sampling_points, grid
+from ..models.combinations import check_model
 from .cli import add_model_arguments, command_parser, load_detector, model_config, note_old_spelling, split_overrides
 from .predict_video import check_video_arguments, predict_video
 
@@ -206,6 +207,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     cfg = model_config(args)  # bad input is named before any work
+    check_model(cfg.model)  # before the inputs are read (Detector.load checks it again)
     decoders = cfg.model.dec_layers
     if not -decoders <= args.attention_layer < decoders:
         raise UsageError(

@@ -38,6 +38,7 @@ from ..data.ground_truth import dropped_line, split_summary, summary_lines
 from ..errors import UsageError, entry_point
 from ..inference.evaluation import evaluate, per_class_table
 from ..models import build_model
+from ..models.combinations import check_model
 from ..models.precision import check_training_precision
 from ..training.engine import Progress, fit
 from ..training.mlflow_run import require_mlflow
@@ -124,7 +125,8 @@ def evaluate_only(args, cfg, class_names: dict, run: RunDirectory):
 
 
 def check_settings(cfg, processes: int):
-    """What the config asks that cannot be done, at once, before anything is built or written."""
+    """What the config asks that cannot be done, at once, before anything is read, built or written."""
+    check_model(cfg.model)  # settings that do not go together (models/combinations.py)
     process_share(cfg, processes)  # a batch that does not split over the processes: a usage error
     if cfg.train.early_stop_patience and not cfg.train.eval_every:
         raise UsageError("train.early_stop_patience counts evaluations: it needs train.eval_every above 0")

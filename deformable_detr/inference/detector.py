@@ -48,6 +48,7 @@ from ..deploy.mlxfn import export_mlx
 from ..deploy.onnx.export import export_onnx
 from ..errors import UsageError
 from ..models import post_process
+from ..models.combinations import check_model
 from ..models.precision import Precision, resolve_precision
 from ..weights import conversion
 from ..weights.loading import config_from_weights, load_trained_model
@@ -164,9 +165,11 @@ class Detector:
         """`weights`: a training checkpoint (its EMA where it has one, unless `raw_weights`), converted
         weights, or `hf://ORG/NAME[@REVISION]`. `config`, `overrides`: as `config_for`, or a
         Config. `precision`: auto, float32 or bfloat16, resolved here (models.precision.resolve_precision),
-        before the weights are read."""
+        before the weights are read; so are the model's settings checked (a UsageError naming the keys that do
+        not go together: models/combinations.py)."""
         resolved = resolve_precision(precision)
         cfg = config if isinstance(config, Config) else cls.config_for(weights, config, overrides)
+        check_model(cfg.model)
         model, recorded = load_trained_model(weights, cfg, raw=raw_weights)
         return cls(model, cfg, recorded or _dataset_names(cfg), source=weights, precision=resolved)
 

@@ -45,9 +45,15 @@ def backbone_family(name: str) -> str | None:
     return next((key for key, family in BACKBONES.items() if name in family.names), None)
 
 
+def unknown_backbone(name: str) -> str | None:
+    """What is wrong with `name` as model.backbone, in one line, or None where a family builds it."""
+    if backbone_family(name) is None:
+        return f"model.backbone {name}: expected one of {', '.join(backbone_names())}"
+    return None
+
+
 def build_backbone(m: ModelConfig) -> BackboneBase:
-    """The backbone of the config's model section (its settings checked: models/model_options.py)."""
-    family = backbone_family(m.backbone)
-    if family is None:
-        raise ValueError(f"model.backbone {m.backbone!r}: expected one of {', '.join(backbone_names())}")
-    return BACKBONES[family].build(m)
+    """The backbone of the config's model section (the section checked by combinations.check_model)."""
+    if problem := unknown_backbone(m.backbone):
+        raise ValueError(problem)
+    return BACKBONES[backbone_family(m.backbone)].build(m)

@@ -8,8 +8,9 @@ import mlx.nn as nn
 
 from ..config import Config, ModelConfig
 from .backbone_base import BackboneBase, resize_mask
-from .backbones import BACKBONES, backbone_family, build_backbone
+from .backbones import build_backbone
 from .box_ops import box_cxcywh_to_xyxy
+from .combinations import GROUPS, check_model
 from .convolution import Conv2d
 from .deformable_transformer import DeformableTransformer, inverse_sigmoid
 from .linear import Linear
@@ -63,10 +64,7 @@ class DeformableDETR(nn.Module):
     def __init__(self, backbone: BackboneBase, transformer: DeformableTransformer, m: ModelConfig):
         super().__init__()
         hidden_dim, num_classes, num_queries, two_stage = transformer.d_model, m.num_classes, m.num_queries, m.two_stage
-        if m.mixed_selection and not two_stage:
-            raise ValueError("model.mixed_selection needs model.two_stage: it mixes the encoder's proposals in")
-        if m.look_forward_twice and not m.with_box_refine:
-            raise ValueError("model.look_forward_twice needs model.with_box_refine: it looks at the refined boxes")
+        check_model(m)  # for a model built here from Python; the commands check it before anything else
         self.num_queries, self.num_feature_levels = num_queries, m.num_feature_levels
         self.num_queries_one2many = m.num_queries_one2many
         self.aux_loss, self.with_box_refine, self.two_stage = m.aux_loss, m.with_box_refine, two_stage
@@ -86,12 +84,12 @@ class DeformableDETR(nn.Module):
 
         in_channels = backbone.num_channels
         self.input_proj = [
-            [Conv2d(c, hidden_dim, 1), GroupNorm(32, hidden_dim, pytorch_compatible=True)] for c in in_channels
+            [Conv2d(c, hidden_dim, 1), GroupNorm(GROUPS, hidden_dim, pytorch_compatible=True)] for c in in_channels
         ]
         extra_in = in_channels[-1]
         for _ in range(m.num_feature_levels - len(in_channels)):  # extra levels: 3x3 stride-2 convolutions
             self.input_proj.append(
-                [Conv2d(extra_in, hidden_dim, 3, 2, 1), GroupNorm(32, hidden_dim, pytorch_compatible=True)]
+                [Conv2d(extra_in, hidden_dim, 3, 2, 1), GroupNorm(GROUPS, hidden_dim, pytorch_compatible=True)]
             )
             extra_in = hidden_dim
         self._reset_parameters()
@@ -198,9 +196,7 @@ def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
 
 
 def build_model(cfg: Config) -> DeformableDETR:
-    m, family = cfg.model, backbone_family(cfg.model.backbone)
-    if m.dilation and family is not None and not BACKBONES[family].dilation:
-        raise ValueError(f"model.dilation (DC5) is a ResNet's; model.backbone is {m.backbone}")
-    model = DeformableDETR(build_backbone(m), DeformableTransformer(m), m)
+    check_model(cfg.model)  # before any part is built: their own checks would say less
+    model = DeformableDETR(build_backbone(cfg.model), DeformableTransformer(cfg.model), cfg.model)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing is True)  # auto: the memory check sets it
     return model

@@ -17,7 +17,7 @@ softmaxes, the attention core and its sampling locations, the boxes and the post
 float32."""
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import kernels
 
@@ -112,15 +112,25 @@ INFERENCE_PRECISIONS = ("auto", "float32", "bfloat16")
 
 @dataclass(frozen=True)
 class Precision:
-    """The precision a model's products run in (`ran`: float32 or bfloat16), what was asked (one of
-    INFERENCE_PRECISIONS) and why this one: `resolve_precision`'s answer, said as `str(precision)`."""
+    """The precision a model's products run in (`ran`: float32 or bfloat16), the setting it comes from (one
+    of INFERENCE_PRECISIONS) and why this one: `resolve_precision`'s answer, said as `str(precision)`. A
+    setting nobody asked for (a command's default, a `Detector` given none) is said to be the default
+    (`as_default`): "asked for" is said only of what was asked."""
 
     ran: str = "float32"
     asked: str = "float32"
-    reason: str = "asked for"
+    reason: str = "the default"
 
     def __str__(self) -> str:
         return f"{self.ran} ({self.reason})"
+
+    def as_default(self) -> "Precision":
+        """This precision, its setting a default rather than asked (resolve_precision's reason reworded):
+        "float32 (the default)", "bfloat16 (auto, the default: ...)"."""
+        for said, default in (("asked for", "the default"), (f"{self.asked} asked for", f"{self.asked} by default")):
+            if self.reason.startswith(said):
+                return replace(self, reason=default + self.reason.removeprefix(said))
+        return replace(self, reason=f"{self.asked}, the default: {self.reason.removeprefix(self.asked + ': ')}")
 
     @property
     def dtype(self) -> mx.Dtype:
