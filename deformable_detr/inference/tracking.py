@@ -31,19 +31,21 @@ lost-track buffer (a second: out of the frame, hidden behind another), and can c
 object to another where two cross. `Identities` looks at each identified box's colours (a histogram of
 its middle, `appearance`), and makes the tracker's ids no worse:
 
-- an identity the tracker still follows (a track in this frame, or one in its lost-track buffer) is
-  never given to another track;
-- a lost identity (of the box's class, seen in the last `memory_s` seconds) is taken back only where
-  colour tells it apart: no other object's identity (one seen in the same frame as it or as the box's
+- an identity whose track is in this frame is never given to another track;
+- any other identity (of the box's class, seen in the last `memory_s` seconds) is taken only where
+  colour tells it apart: no other object's identity (one seen in a frame with it, or with the box's
   object) looks as much like the box, within `margin`. It is taken by a new track (the object is
   back), by a track whose box stops looking like its identity (the track jumped onto another object),
-  or by a second track the tracker started on an object whose first track it then dropped.
+  or by a second track on an object that the first track's identity belongs to. Where the tracker still
+  keeps that identity's track in its lost-track buffer, appearance has re-found it: the lost track is
+  closed in the tracker (no identity ever has two tracks); with `refind` False, the identity waits
+  until the tracker drops its track.
 
 Alike objects (one class, one colour) cannot be told apart by colour: they keep the tracker's ids, as
 motion alone has them (bench/results/tracking_cpu.txt and tracking_alike_cpu.txt measure both). A
 re-identification network is the tool for real scenes of alike objects (people, cars); none runs here
 without PyTorch. `reidentify=False` turns it off; a dict of `Identities`' options (memory_s, new, keep,
-margin, blend) tunes it.
+margin, blend, refind) tunes it.
 
 The output: the frame's detections at the threshold (as `predict` gives them, in order) and, with
 ByteTrack, the lower-scored ones it matched, each with `track_ids` (n,) int: -1 where there is no
@@ -94,7 +96,7 @@ class Tracking:
     scales with it); `duplicates`: (IoU within a class, IoU across classes) over which a box is a
     duplicate of a better one and not given to the tracker (None: every box is); `low_score`: the lowest
     score ByteTrack is given (None: the threshold, no second association); `reidentify`: `Identities`
-    over the tracker's ids (True), with its options (a dict: memory_s, new, keep, margin, blend), or none
+    over the tracker's ids (True), with its options (a dict: `Identities.OPTIONS`), or none
     (False); `options`: the tracker's own arguments, over the ones set here (a name it does not take is
     a UsageError, as is a reidentify option `Identities` does not take)."""
 
@@ -147,7 +149,9 @@ class Tracking:
             if image is None:
                 raise ValueError("Tracking.update(detections, image): reidentify=True looks at the frame's image")
             held = [track.tracker_id for track in self.tracker.tracks if track.tracker_id >= 0]  # its lost ones too
-            track_ids = self.identities.update(np.asarray(image), given, track_ids, held, self.threshold)
+            track_ids, closed = self.identities.update(np.asarray(image), given, track_ids, held, self.threshold)
+            if closed:  # lost tracks re-found under a new track: closed, as the tracker closes those it gives up
+                self.tracker.tracks = [track for track in self.tracker.tracks if track.tracker_id not in closed]
         shown = (given.scores >= self.threshold) | (track_ids >= 0)
         return dataclasses.replace(given, track_ids=track_ids).where(shown)
 
@@ -178,9 +182,11 @@ def identities(reidentify, frame_rate: float):
     return Identities(frame_rate, **reidentify)
 
 
-def appearance(image: np.ndarray, box, bins: int = 8, middle: float = 0.6) -> np.ndarray:
+def appearance(image: np.ndarray, box, bins: int = 16, middle: float = 0.6) -> np.ndarray:
     """The colours of `box` (x0, y0, x1, y1) in `image` (H, W, 3) uint8: a histogram of `bins` levels a
-    channel (bins^3, summing to 1) over the box's middle `middle` of each side (less of the background)."""
+    channel (bins^3, summing to 1) over the box's middle `middle` of each side (less of the background).
+    16 levels: at 8, colours up to 31 levels apart in a channel share a bin (two triangles of the bench's,
+    (13, 76, 221) and (14, 67, 203), looked one colour and their identities were not told apart)."""
     x0, y0, x1, y1 = (float(v) for v in box)
     half_w, half_h = (x1 - x0) * middle / 2, (y1 - y0) * middle / 2
     cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
@@ -202,32 +208,33 @@ class Identities:
     """Ids that last through a tracker's losses (the module's docstring): the tracker's ids (raw) mapped
     to identities. Each identity keeps its look (`appearance`, a running blend of its confident boxes
     that overlap no other identified box, `blend` the old look's share), its class (the most seen), the
-    frames it was first and last seen in, the frame the tracker dropped its last raw id (lost), and the
-    identities it was seen with in one frame (other objects, surely).
+    frames it was first and last seen in, and the identities seen with it in one frame (other objects).
 
-    An identity held by a raw id the tracker still keeps (in this frame or in its lost-track buffer:
-    `update`'s `held`) is never given to another raw id. A lost one, of the box's class and seen within
-    `memory_s` seconds, is taken where appearance tells it apart: the box looks at least `new` like it,
-    and every other identity that it looks as much like (within `margin`) is one never seen with it nor
-    with the box's object, so perhaps the same object under another track (then the first seen of them
-    is taken, or, if the tracker still holds that one, none). Taken so: by a raw id not seen before (an
-    object back); by one whose box looks less than `keep` like its identity (its track went onto another
-    object); by one whose identity began after the lost one was last seen and before the tracker dropped
-    it (a second track on one object: once the first is dropped, the second is the first, its own
-    identity gone). Else the tracker's id stands (a new identity, numbered from 0): alike objects keep
-    the tracker's ids (motion). The tables hold the raw ids the tracker keeps and the identities held or
-    seen within `memory_s`: bounded over a stream of any length."""
+    An identity whose raw id is in this frame is never given to another raw id. One not in this frame, of
+    the box's class and seen within `memory_s` seconds, is taken where appearance tells it apart: the box
+    looks at least `new` like it, and every other identity that it looks as much like (within `margin`) was
+    never seen with it nor with the box's object (perhaps the same object under another track: then the
+    first seen of them is taken, or none if that one is in this frame). Taken so: by a raw id not seen
+    before (an object back); by one whose box looks less than `keep` like its identity (its track went onto
+    another object); by one whose identity began after the other was last seen (a second track on one
+    object: its own identity goes). Where the tracker still keeps the identity's raw id in its lost-track
+    buffer, that lost track is re-found: `update` returns its raw id among those the tracker should close,
+    so no identity ever has two tracks (`refind` False: such an identity waits until the tracker drops it).
+    Else the tracker's id stands (a new identity, numbered from 0): alike objects keep the tracker's ids, as
+    motion alone has them. The tables hold the raw ids the tracker keeps and the identities held or seen
+    within `memory_s`: bounded over a stream of any length."""
 
-    OPTIONS = ("memory_s", "new", "keep", "margin", "blend")  # `Tracking(reidentify={...})` takes these
+    OPTIONS = ("memory_s", "new", "keep", "margin", "blend", "refind")  # `Tracking(reidentify={...})` takes these
 
     def __init__(
         self,
         frame_rate: float,
         memory_s: float = 10.0,
         new: float = 0.5,
-        keep: float = 0.5,
-        margin: float = 0.2,
+        keep: float = 0.8,
+        margin: float = 0.1,
         blend: float = 0.8,
+        refind: bool = True,
     ):
         for name, value, low, high in [
             ("memory_s", memory_s, 0.0, float("inf")),
@@ -238,29 +245,35 @@ class Identities:
         ]:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise UsageError(f"reidentify {name}={value!r}: expected a number from {low:g} to {high:g}")
+        if not isinstance(refind, bool):
+            raise UsageError(f"reidentify refind={refind!r}: expected True or False")
         self.memory = memory_s * frame_rate  # in frames
-        self.new, self.keep, self.margin, self.blend = new, keep, margin, blend
+        self.new, self.keep, self.margin, self.blend, self.refind = new, keep, margin, blend, refind
         self.frame, self.count = -1, 0
         self.identity = {}  # raw id the tracker keeps -> identity
         self.look, self.classes, self.met = {}, {}, {}  # identity -> histogram, {label: count}, {identity seen with}
-        self.first, self.last, self.lost = {}, {}, {}  # identity -> frame first seen, last seen, lost
+        self.first, self.last = {}, {}  # identity -> the frame first seen, last seen
 
-    def update(self, image: np.ndarray, detections, raw_ids: np.ndarray, held, threshold: float) -> np.ndarray:
+    def update(self, image: np.ndarray, detections, raw_ids: np.ndarray, held, threshold: float) -> tuple:
         """This frame's `detections` (best first) with the tracker's `raw_ids` (-1: none) and `held`, the raw
-        ids the tracker keeps after this frame (those it saw and those in its lost-track buffer) -> their
-        identities (-1 where the raw id is -1)."""
+        ids the tracker keeps after this frame (those it saw and those in its lost-track buffer) -> (their
+        identities, -1 where the raw id is -1; the raw ids of lost tracks re-found, for the tracker to close)."""
         sv = supervision()
         self.frame += 1
         rows = [j for j in range(len(raw_ids)) if raw_ids[j] >= 0]
-        self._drop_raw_ids({int(raw) for raw in held} | {int(raw_ids[j]) for j in rows})
+        present = {int(raw_ids[j]) for j in rows}
+        kept = {int(raw) for raw in held} | present
+        self.identity = {raw: identity for raw, identity in self.identity.items() if raw in kept}
         self._forget()
-        ids = np.full(len(raw_ids), -1, np.int64)
+        ids, closed = np.full(len(raw_ids), -1, np.int64), set()
         looks = {j: appearance(image, detections.boxes[j]) for j in rows}
         boxes = np.asarray(detections.boxes, np.float32).reshape(-1, 4)
         overlaps = sv.box_iou_batch(boxes, boxes)  # IoU of every two boxes (0 where no union), once a frame
         np.fill_diagonal(overlaps, 0)
-        holding = set(self.identity.values())  # identities that no other raw id may take
         here = {j: self.identity.get(int(raw_ids[j])) for j in rows}  # this frame's: other objects than each box's
+        holding = {identity for identity in here.values() if identity is not None}  # never given to another
+        if not self.refind:  # those the tracker keeps lost wait until it drops them
+            holding |= set(self.identity.values())
         for j in rows:  # best scored first
             raw, label = int(raw_ids[j]), int(detections.labels[j])
             others = {identity for row, identity in here.items() if row != j and identity is not None}
@@ -268,11 +281,9 @@ class Identities:
             if identity is None:  # a new track: an object back?
                 identity = self._told_apart(looks[j], label, holding, others)
             elif identity in self.look:
-                if likeness(self.look[identity], looks[j]) < self.keep:  # its track went onto another object
+                if likeness(self.look[identity], looks[j]) < self.keep:  # its track went onto another object?
                     found = self._told_apart(looks[j], label, holding, others, identity)
-                    if found is not None:
-                        self.lost[identity] = self.frame
-                else:  # a second track on one object, whose first track the tracker has dropped since?
+                else:  # a second track on one object?
                     began, others = self.first[identity], others | self.met[identity]
                     found = self._told_apart(looks[j], label, holding, others, identity, began)
                     if found is not None:
@@ -282,9 +293,11 @@ class Identities:
                     identity = found
             if identity is None:
                 identity, self.count = self.count, self.count + 1  # a new one: ids from 0 in order of appearance
+            for other in [other for other, taken in self.identity.items() if taken == identity and other != raw]:
+                del self.identity[other]  # a lost track re-found: the tracker closes it
+                closed.add(other)
             self.identity[raw], ids[j], here[j] = identity, identity, identity
             holding.add(identity)
-            self.lost.pop(identity, None)
         seen = {int(identity) for identity in ids[rows]}
         for j in rows:
             identity, label = int(ids[j]), int(detections.labels[j])
@@ -298,43 +311,38 @@ class Identities:
             if detections.scores[j] >= threshold and alone:
                 before = self.look.get(identity)
                 self.look[identity] = looks[j] if before is None else self.blend * before + (1 - self.blend) * looks[j]
-        return ids
+        return ids, closed
 
     def _told_apart(
         self, look: np.ndarray, label: int, holding: set, others: set, itself=None, began=None
     ) -> int | None:
-        """The lost identity (of class `label`, not in `holding`; with `began`, last seen before that frame and
-        lost since) that `look`, a box's, is most like, at `new` or more, where no identity in `others` (other
-        objects than the box's) nor any seen with it looks as much like the box (within `margin`); of those
-        that do, never seen with it, the first seen (if lost), else None. `itself`: the box's own identity."""
+        """The identity (of class `label`, not in `holding`, last seen before `began`, default this frame)
+        that `look`, a box's, is most like, at `new` or more, where no identity in `others` (other objects
+        than the box's) nor any seen with it looks as much like the box (within `margin`); of those that do,
+        never seen with it, the first seen (if it may be taken), else None. `itself`: the box's own identity."""
+        began = self.frame if began is None else began
         alike = {
             identity: likeness(known, look)
             for identity, known in self.look.items()
             if identity != itself and self._label(identity) == label
         }
-        lost = [identity for identity in alike if identity not in holding and alike[identity] >= self.new]
-        if began is not None:  # the second track's identity began while the first was gone but held
-            lost = [identity for identity in lost if self.last[identity] < began <= self.lost.get(identity, -1)]
-        if not lost:
+        free = [
+            identity
+            for identity, score in alike.items()
+            if identity not in holding and score >= self.new and self.last[identity] < began
+        ]
+        if not free:
             return None
-        best = max(lost, key=alike.get)
+        best = max(free, key=alike.get)
         close = [identity for identity in alike if identity != best and alike[identity] > alike[best] - self.margin]
         if any(identity in others or identity in self.met[best] for identity in close):
             return None  # another object looks as much like it: nothing tells them apart
         first = min([best, *close], key=self.first.get)  # one object under several tracks: its first identity
-        return first if first in lost else None
+        return first if first in free else None
 
     def _label(self, identity: int) -> int:
         counts = self.classes[identity]
         return max(counts, key=counts.get)
-
-    def _drop_raw_ids(self, kept: set) -> None:
-        """The raw ids the tracker no longer keeps, out of the table; an identity none of them holds now is lost."""
-        dropped = {raw: identity for raw, identity in self.identity.items() if raw not in kept}
-        for raw in dropped:
-            del self.identity[raw]
-        for identity in set(dropped.values()) - set(self.identity.values()):
-            self.lost[identity] = self.frame
 
     def _forget(self) -> None:
         """Identities not held and unseen for over `memory` frames dropped: a long video (a server's stream)
@@ -345,7 +353,7 @@ class Identities:
                 self._drop(identity)
 
     def _drop(self, identity: int) -> None:
-        for table in (self.look, self.classes, self.first, self.last, self.lost):
+        for table in (self.look, self.classes, self.first, self.last):
             table.pop(identity, None)
         for other in self.met.pop(identity, ()):
             self.met[other].discard(identity)
