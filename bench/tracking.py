@@ -3,23 +3,31 @@ implementation of the CLEAR MOT and identity metrics) of ByteTrack, SORT and OC-
 `trackers`, deformable_detr/inference/tracking.py) on the quick start's model, and frames per second.
 
     python bench/tracking.py [--checkpoint output/shapes/checkpoint.safetensors] [--frames 200] [--seeds 0 1 2]
-                             [--threshold 0.3] [--batch-size 4] [--output bench/results/tracking_cpu.txt]
-                             [--picture docs/tracking.png [--picture-frames 20 60 100 140]]
+                             [--alike-seeds 100 101 102] [--threshold 0.3] [--batch-size 4]
+                             [--output bench/results/tracking_cpu.txt]
+                             [--alike-output bench/results/tracking_alike_cpu.txt]
+                             [--before OLD_TRACKING.py] [--picture docs/tracking.png [--picture-frames 20 60 100 140]]
 
 1. A video per seed (deformable_detr/data/shapes_video.py: `--frames` frames, 160 x 120, six shapes,
    25 frames/s), written as H.264 and decoded again, as `predict` reads it; the metrics are over them all.
+   And a video of alike objects per `--alike-seeds` seed: four circles of one colour that cross, none
+   leaving the frame, the first not drawn for 1.5 s from frame 60 (ALIKE), in their own report
+   (`--alike-output`): colour cannot tell them apart, and re-identification must leave motion's ids.
 2. The model's detections of every frame, once (`Detector.predict` at the lowest score a tracker is
    given, ByteTrack's 0.1, batches of `--batch-size`): the detector's frames/s.
 3. Each tracker on those detections at `--threshold` (`Tracking.update`, as `Detector.track`): its own
    frames/s, and against the ground truth: MOTA, IDF1, ID switches, false positives, misses, MOTP
    (1 - IoU) and the objects mostly tracked / lost, an object counting where at least MIN_VISIBILITY
    of it is seen (a hypothesis on a less visible one is left out, MOTChallenge's distractor rule as
-   motmetrics.preprocess applies it); a hypothesis is a detection with a track id (not -1). Then
-   each of tracking.py's choices undone alone: no re-identification (ByteTrack, SORT), no low-score
-   stage, new tracks at the threshold + 0.1 (ByteTrack's authors'), duplicates across classes removed
-   at IoU 0.5, duplicates removed at IoU 0.5 whatever their class (as before), duplicates kept.
+   motmetrics.preprocess applies it); a hypothesis is a detection with a track id (not -1). Each
+   tracker with re-identification (the default) and without (motion alone), and with `--before`
+   (another tracking.py, e.g. `git show c8c62ba~1:deformable_detr/inference/tracking.py > /tmp/before.py`,
+   the one before issue 73) that one's default too, on the same detections. Then each of tracking.py's
+   choices undone alone: re-identification waiting for the tracker to drop a lost track, no low-score
+   stage, new tracks at the threshold + 0.1 (ByteTrack's authors'), duplicates across classes removed at
+   IoU 0.5, duplicates removed at IoU 0.5 whatever their class (as before), duplicates kept.
 4. The same trackers fed the ground truth with a detector's kind of noise (`noisy_detections`):
-   the trackers alone, with good detections.
+   the trackers alone, with good detections, with and without re-identification (and --before's).
 5. `predict --track` (ByteTrack) on each video end to end (decoding, the model, the tracker, drawing the
    boxes, ids and trails, encoding): its own frames/s line; with --picture, the first video's annotated
    frames --picture-frames side by side, twice their size (docs/tracking.png).
@@ -45,6 +53,9 @@ from common import cpu_model, load_average, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_VISIBILITY = 0.5  # an object counts where at least half of it is seen
+# the alike videos: four circles of shapes.py's one green, none leaving the frame, the first unseen 1.5 s
+ALIKE = dict(objects=4, leave=0.0, alike="circle")
+HIDDEN_FROM, HIDDEN_S = 60, 1.5
 TRACKER_NAMES = ("bytetrack", "sort", "ocsort")
 METRICS = ["mota", "idf1", "num_switches", "num_false_positives", "num_misses", "motp"]
 METRICS += ["mostly_tracked", "mostly_lost", "num_unique_objects"]
@@ -156,25 +167,27 @@ def noisy_detections(truth: list, size: tuple, seed: int = 0, classes=None) -> l
     return frames
 
 
-def track_all(name: str, frames: list, images: list, threshold: float, fps: float, **options) -> tuple[list, float]:
-    """`frames` (every frame's `Detections`) and their `images` through a new `Tracking` -> (the tracked
-    frames, frames/s)."""
+def track_all(
+    name: str, frames: list, images: list, threshold: float, fps: float, tracking=None, **options
+) -> tuple[list, float]:
+    """`frames` (every frame's `Detections`) and their `images` through a new `tracking` (a `Tracking` class,
+    default tracking.py's) -> (the tracked frames, frames/s)."""
     from deformable_detr.inference.tracking import Tracking
 
-    tracking = Tracking(name, threshold, fps, **options)
+    tracking = (tracking or Tracking)(name, threshold, fps, **options)
     start = time.perf_counter()
     tracked = [tracking.update(frame, image) for frame, image in zip(frames, images, strict=True)]
     return tracked, len(frames) / (time.perf_counter() - start)
 
 
 def rows(videos: list, images: list, detections: list, threshold: float, runs: list) -> list[str]:
-    """A table row per (label, tracker, options) of `runs`: its metrics over `videos` (each tracked on its
-    `detections` and decoded `images`, a new tracker each) and the tracker's frames/s."""
+    """A table row per (label, tracker, options[, Tracking class]) of `runs`: its metrics over `videos` (each
+    tracked on its `detections` and decoded `images`, a new tracker each) and the tracker's frames/s."""
     lines = []
-    for label, name, options in runs:
+    for label, name, options, *tracking in runs:
         accumulators, frames, seconds = [], 0, 0.0
         for video, decoded, found in zip(videos, images, detections, strict=True):
-            tracked, rate = track_all(name, found, decoded, threshold, video.fps, **options)
+            tracked, rate = track_all(name, found, decoded, threshold, video.fps, *tracking, **options)
             accumulators.append(accumulate(video.truth, tracked))
             frames, seconds = frames + len(found), seconds + len(found) / rate
         lines.append(row(label, mot_metrics(accumulators), frames / seconds))
@@ -190,56 +203,106 @@ def row(label: str, metrics: dict, rate: float) -> str:
     )
 
 
+def tracking_before(path: Path):
+    """The `Tracking` class of another tracking.py (`--before`), imported beside this one (its relative imports
+    resolve in deformable_detr.inference)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deformable_detr.inference._tracking_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Tracking
+
+
+def with_and_without(before=None) -> list:
+    """Each tracker with re-identification (the default), without it (motion alone), and `before`'s default;
+    then ByteTrack's re-identification waiting for the tracker to drop a lost track (refind off)."""
+    runs = []
+    for name in TRACKER_NAMES:
+        runs += [(name, name, {}), (f"{name}, no re-identification", name, {"reidentify": False})]
+        runs += [(f"{name}, before", name, {}, before)] if before is not None else []
+    return [*runs, ("bytetrack, re-identification without refind", "bytetrack", {"reidentify": {"refind": False}})]
+
+
+def detect_videos(detector, videos: list, batch_size: int, tmp: Path, kind: str) -> tuple[list, list, float, list]:
+    """Each of `videos` written as H.264 and decoded again, as `predict` reads it, and the detector's
+    detections of every frame at LOW_SCORE -> (the detections, the decoded frames, the detector's seconds,
+    the videos' paths)."""
+    from deformable_detr.data.shapes_video import write_video
+    from deformable_detr.inference.tracking import LOW_SCORE
+
+    import av
+
+    detections, images, seconds, paths = [], [], 0.0, []
+    for video in videos:
+        path = write_video(tmp / f"{kind}_{video.seed}.mp4", video)
+        with av.open(str(path)) as source:
+            frames = [frame.to_image() for frame in source.decode(video=0)]
+        images.append(frames)
+        detector.predict(frames[:batch_size], LOW_SCORE, batch_size=batch_size)  # warm-up
+        start, found = time.perf_counter(), []
+        for i in range(0, len(frames), batch_size):
+            found += detector.predict(frames[i : i + batch_size], LOW_SCORE, batch_size=batch_size)
+        seconds += time.perf_counter() - start
+        detections.append(found)
+        paths.append(path)
+    return detections, images, seconds, paths
+
+
+def described(videos: list, what: str) -> str:
+    boxes = [o for video in videos for objects in video.truth for o in objects]
+    counted = sum(o["visibility"] >= MIN_VISIBILITY for o in boxes)
+    width, height = videos[0].size
+    return (
+        f"videos: shapes_video seeds {', '.join(str(video.seed) for video in videos)}, each {len(videos[0].frames)} "
+        f"frames of {width} x {height} at {videos[0].fps:g} frames/s, {what}; {counted} boxes at least "
+        f"{MIN_VISIBILITY:g} visible (counted), {len(boxes) - counted} less (left out)"
+    )
+
+
 @entry_point
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, default=ROOT / "output" / "shapes" / "checkpoint.safetensors")
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="a video each")
+    parser.add_argument("--alike-seeds", type=int, nargs="+", default=[100, 101, 102], help="an alike video each")
     parser.add_argument("--threshold", type=float, default=0.3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "tracking_cpu.txt")
+    parser.add_argument("--alike-output", type=Path, default=ROOT / "bench" / "results" / "tracking_alike_cpu.txt")
+    parser.add_argument("--before", type=Path, help="another tracking.py, measured beside this one (rows 'before')")
     parser.add_argument(
         "--picture", type=Path, help="write the first video's --track frames PICTURE_FRAMES side by side"
     )
     parser.add_argument("--picture-frames", type=int, nargs="+", default=[20, 60, 100, 140])
     args = parser.parse_args(argv)
+    if args.before is not None and not args.before.is_file():
+        parser.error(f"--before {args.before}: no such file (another version of tracking.py)")
 
-    from deformable_detr.data.shapes_video import make_video, write_video
+    from deformable_detr.data.shapes_video import make_video
     from deformable_detr.inference.detector import Detector
-    from deformable_detr.inference.tracking import DUPLICATES_IOU, LOW_SCORE
+    from deformable_detr.inference.tracking import DUPLICATES_IOU
     from deformable_detr.predict import main as predict
 
     import av
     from PIL import Image
 
-    lines = [
+    before = tracking_before(args.before) if args.before is not None else None
+    started = (
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model(count=True)}; "
-        f"load average at start: {load_average()}",
-    ]
-    videos = [make_video(seed, args.frames) for seed in args.seeds]
-    boxes = [o for video in videos for objects in video.truth for o in objects]
-    counted = sum(o["visibility"] >= MIN_VISIBILITY for o in boxes)
-    width, height = videos[0].size
-    lines.append(
-        f"videos: shapes_video seeds {', '.join(map(str, args.seeds))}, each {args.frames} frames of {width} x "
-        f"{height} at {videos[0].fps:g} frames/s, 6 objects; {counted} boxes at least {MIN_VISIBILITY:g} visible "
-        f"(counted), {len(boxes) - counted} less (left out)"
+        f"load average at start: {load_average()}"
     )
+    videos = [make_video(seed, args.frames) for seed in args.seeds]
+    hidden = (0, HIDDEN_FROM, round(HIDDEN_S * videos[0].fps))
+    alike = [make_video(seed, args.frames, hidden=hidden, **ALIKE) for seed in args.alike_seeds]
     detector = Detector.load(args.checkpoint, precision="float32")
-    detections, images, seconds, end_to_end = [], [], 0.0, []
     with tempfile.TemporaryDirectory() as tmp:
-        for video in videos:
-            path = write_video(Path(tmp) / f"shapes_{video.seed}.mp4", video)
-            with av.open(str(path)) as source:
-                frames = [frame.to_image() for frame in source.decode(video=0)]
-            images.append(frames)
-            detector.predict(frames[: args.batch_size], LOW_SCORE, batch_size=args.batch_size)  # warm-up
-            start, found = time.perf_counter(), []
-            for i in range(0, len(frames), args.batch_size):
-                found += detector.predict(frames[i : i + args.batch_size], LOW_SCORE, batch_size=args.batch_size)
-            seconds += time.perf_counter() - start
-            detections.append(found)
+        detections, images, seconds, paths = detect_videos(detector, videos, args.batch_size, Path(tmp), "shapes")
+        found = detect_videos(detector, alike, args.batch_size, Path(tmp), "alike")
+        alike_detections, alike_images, alike_seconds, _ = found
+        end_to_end = []
+        for video, path in zip(videos, paths, strict=True):
             with contextlib.redirect_stdout(io.StringIO()) as said, contextlib.redirect_stderr(io.StringIO()):
                 argv = ["--checkpoint", str(args.checkpoint), "--precision", "float32"]
                 argv += ["--threshold", str(args.threshold), "--batch-size", str(args.batch_size)]
@@ -251,21 +314,19 @@ def main(argv=None):
                 picture = np.concatenate([shown[i] for i in args.picture_frames], axis=1)
                 twice = Image.fromarray(picture).resize((picture.shape[1] * 2, picture.shape[0] * 2))
                 twice.quantize(256).save(args.picture, optimize=True)  # a docs picture: 256 colours
-    frames = sum(len(found) for found in detections)
-    lines.append(
+    frames = sum(len(found) for found in detections + alike_detections)
+    model = (
         f"the quick start's model ({args.checkpoint}), float32, batches of {args.batch_size}: the detector "
-        f"{frames / seconds:.1f} frames/s; predict --track (bytetrack) end to end (decode, detect, track, draw, "
-        f"encode) {', '.join(f'{rate:.1f}' for rate in end_to_end)} frames/s"
+        f"{frames / (seconds + alike_seconds):.1f} frames/s"
     )
+    before_said = [f"before: {args.before}'s Tracking on the same detections"] if before is not None else []
     header = [
         "| tracker | MOTA | IDF1 | ID switches | false positives | misses | MOTP (1 - IoU) | mostly tracked / lost "
         "| tracker frames/s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    runs = [(name, name, {}) for name in TRACKER_NAMES]
-    ablations = [  # each of tracking.py's choices undone alone
-        ("bytetrack, no re-identification", "bytetrack", {"reidentify": False}),
-        ("sort, no re-identification", "sort", {"reidentify": False}),
+    runs = with_and_without(before)
+    ablations = [  # each of tracking.py's other choices undone alone
         ("bytetrack, no low-score stage", "bytetrack", {"low_score": None}),
         ("bytetrack, new tracks at the threshold + 0.1", "bytetrack", {"track_activation_threshold": None}),
         ("bytetrack, duplicates: IoU 0.5 across classes", "bytetrack", {"duplicates": (DUPLICATES_IOU[0], 0.5)}),
@@ -275,12 +336,25 @@ def main(argv=None):
     for _, _, options in ablations:  # its authors' det_thresh: the high-score bar + 0.1
         if "track_activation_threshold" in options:
             options["track_activation_threshold"] = min(args.threshold + 0.1, 1.0)
+    lines = [started, described(videos, "6 objects"), *before_said]
+    lines.append(
+        f"{model}; predict --track (bytetrack) end to end (decode, detect, track, draw, encode) "
+        f"{', '.join(f'{rate:.1f}' for rate in end_to_end)} frames/s"
+    )
     lines += ["", f"The model's detections, threshold {args.threshold:g}:", "", *header]
     lines += rows(videos, images, detections, args.threshold, runs + ablations)
     noisy = [noisy_detections(video.truth, video.size, video.seed) for video in videos]
     lines += ["", "The ground truth with noise (noisy_detections), threshold 0.5:", "", *header]
-    lines += rows(videos, images, noisy, 0.5, runs + ablations[:2])
+    lines += rows(videos, images, noisy, 0.5, runs)
     report(lines, args.output)
+    what = f"4 circles of one colour, the first not drawn from frame {hidden[1]} for {hidden[2]} frames"
+    lines = [started, described(alike, what), *before_said, model]
+    lines += ["", f"The model's detections, threshold {args.threshold:g}:", "", *header]
+    lines += rows(alike, alike_images, alike_detections, args.threshold, runs)
+    noisy = [noisy_detections(video.truth, video.size, video.seed) for video in alike]
+    lines += ["", "The ground truth with noise (noisy_detections), threshold 0.5:", "", *header]
+    lines += rows(alike, alike_images, noisy, 0.5, runs)
+    report(lines, args.alike_output)
 
 
 if __name__ == "__main__":
