@@ -29,7 +29,7 @@ query's box under a second class (IoU 1) goes. A box left out has no identity, -
 A tracker without appearance features gives an object a new id whenever it comes back after its
 lost-track buffer (a second: out of the frame, hidden behind another), and can carry an id from one
 object to another where two cross. `Identities` looks at each identified box's colours (a histogram of
-its middle, `appearance`), and makes the tracker's ids no worse:
+its middle, `appearance`), and is made not to make the tracker's ids worse:
 
 - an identity whose track is in this frame is never given to another track;
 - any other identity (of the box's class, seen in the last `memory_s` seconds) is taken only where
@@ -42,7 +42,10 @@ its middle, `appearance`), and makes the tracker's ids no worse:
   until the tracker drops its track.
 
 Alike objects (one class, one colour) cannot be told apart by colour: they keep the tracker's ids, as
-motion alone has them (bench/results/tracking_cpu.txt and tracking_alike_cpu.txt measure both). A
+motion alone has them. Measured (bench/results/tracking_cpu.txt, tracking_alike_cpu.txt; the quick start's
+model): on the bench's three videos ByteTrack's IDF1 is 0.848 with re-identification, 0.704 without (SORT
+0.800 / 0.607, OC-SORT 0.751 / 0.605); on four alike circles crossing, one hidden 1.5 s, 0.784 either way,
+where the rule before issue 73 (a new track could take an identity another circle's track held) gave 0.722. A
 re-identification network is the tool for real scenes of alike objects (people, cars); none runs here
 without PyTorch. `reidentify=False` turns it off; a dict of `Identities`' options (memory_s, new, keep,
 margin, blend, refind) tunes it.
