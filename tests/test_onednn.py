@@ -310,7 +310,7 @@ def test_a_shape_plan_is_made_at_its_first_call_and_found_at_the_next(rng):
 
 def test_a_cycle_of_shapes_longer_than_the_capacity_remakes_every_plan(rng):
     """Least recently used out first: with `capacity` plans, a cycle of `capacity + 1` shapes finds none of
-    them the second time round (as an R50 step's 75 convolutions did with 32 plans); `capacity` shapes, all."""
+    them the second time round (as 27 of an R50 training step's 33 product plans with 32); `capacity` shapes, all."""
     extension, before = onednn.module(), onednn.caches()
     w = mx.array(rng.standard_normal((8, 3, 3, 4)).astype(np.float32))
     cycle = [mx.array(rng.standard_normal((1, 7, size, 4)).astype(np.float32)) for size in range(30, 34)]

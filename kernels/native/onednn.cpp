@@ -8,15 +8,29 @@
 // anyway). The result has the first operand's dtype (x's, a's): float32 operands with bfloat16 products
 // give a float32 result, and no bfloat16 copy of a weight is kept (but in a KeptWeights, below).
 //
-// Plans: each shape's primitives (a convolution's forward, and backward data and weights where asked;
-// a product's) are made once, on the caller's thread while the graph is built, and kept in a
-// least-recently-used cache of `plan_capacity()` plans (DEFORMABLE_DETR_ONEDNN_PLANS, default 32);
-// oneDNN's own primitive cache, which holds the same JIT code, gets the same capacity. A shape oneDNN
-// has no fast implementation for is remembered in the same cache as refused, with why: the caller
-// gets None and computes it its own way, without oneDNN being asked again. Every primitive gets its
-// scratchpad for the call only (`scratchpad_mode::user`; 11 MB at most in R50's step): oneDNN's default gives
-// each primitive its own for its lifetime (tens of MB for a backward-weights pass on AVX2), which made
-// the process grow by each shape's plans (issue 61: 46 MiB a shape in R50 training).
+// Plans: a shape's primitives (a convolution's forward, and its backward data and weights, made by its
+// first VJP; a product's) are a plan, made on the caller's thread while the graph is built, where the
+// shape's plan is not kept (outside the cache's lock: onednn_shared.h's Plans), and kept in a
+// least-recently-used cache of `plan_capacity_value()` plans of each kind, convolutions and products
+// (DEFORMABLE_DETR_ONEDNN_PLANS, default 32; caches() counts the lookups that found one and those that made
+// one). A Primitive in a graph holds its plan until it is done, kept or not. A shape oneDNN has no fast
+// implementation for is kept in the same cache as refused, with why: the caller gets None and computes it
+// its own way, without oneDNN being asked again while that is kept. oneDNN's own primitive cache (every
+// primitive it makes, reorders too, by description: a plan made again finds its primitives there while
+// they last) gets the same capacity, counted in primitives.
+// What that keeps and remakes (bench/onednn_plans.py; bench/results/onednn_plans_cpu.txt, a Xeon with
+// AMX): an R50 training step at one size (512 x 683, batch 2) looks up 25 convolution and 33 product plans
+// (a process makes more: the Trainer probes other sizes). With 32 of each its convolutions' stay and 27
+// of its products' are made again every step, with 52-56 reorders oneDNN's cache no longer holds: 79-83
+// primitives JIT-compiled a step, 7 ms in float32, 31 in bfloat16, under 1% of the step. Inference at one
+// size (800 x 1066) looks up 25 + 11 and makes none again. A plan holds 0.04-0.25 MiB (float32), up to 2.2 MiB for a
+// 3 x 3 bfloat16 convolution on AMX with its backward passes (10.7 ms to make): 64 would keep a training
+// step's plans, saving under 1%, for up to twice the memory in a process meeting many sizes, where each
+// new size makes its plans anyway.
+// Every primitive gets its scratchpad for the call only (`scratchpad_mode::user`; 11 MB at most in R50's
+// float32 training, 23 in its bfloat16): oneDNN's default gives each primitive its own for its lifetime
+// (tens of MB for a backward-weights pass on AVX2), which made the process grow by each shape's plans
+// (issue 61: 46 MiB a shape in R50 training).
 //
 // Weights: a convolution's (O, kh, kw, C) weight is reordered into the layout oneDNN's kernel chose
 // (`format_tag::any`; a plain one makes oneDNN 3.2 take its reference loops, 100x slower) at every
@@ -175,8 +189,11 @@ class WeightCopies {
     std::shared_ptr<void> pages = own_pages(bytes);
     const Weight copy{as_wanted(plain, data, wanted, pages.get()), pages};
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto entry = order_.begin(); entry != order_.end();) {  // its copy in another layout: replaced
-      if (entry->source == source && entry->data == data) {
+    for (auto entry = order_.begin(); entry != order_.end();) {
+      // Its copy in another layout: replaced. A copy whose weight is held by nothing but this store (the
+      // array is gone: a temporary, a model's weight replaced): no call can ask for it again, so it goes now,
+      // with the buffer it held, rather than when the capacity pushes it out.
+      if ((entry->source == source && entry->data == data) || entry->source.use_count() == 1) {
         bytes_ -= entry->bytes;
         entry = order_.erase(entry);  // a Primitive evaluating with it holds its pages
       } else {
