@@ -13,14 +13,15 @@ products (`--precision bfloat16` at inference), and bfloat16 activations give bf
 (`train.precision: bfloat16`). Whether bfloat16 is fast here is oneDNN's own answer
 (`bfloat16_kernels`: AMX or AVX512-BF16 kernels; kernels.precision decides from it).
 
-Memory: each shape's primitives (a plan, JIT-compiled where the shape is first met or was let go) are
-kept in a least-recently-used cache of DEFORMABLE_DETR_ONEDNN_PLANS plans of each kind, convolutions and
-products (default 32; oneDNN's own primitive cache holds as many primitives, reorders too; `caches()`
-counts the lookups that found a plan and those that made one), their scratchpads allocated for a call
-only. 32 hold an R50 inference's plans at one size (25 + 11) and a training step's 25 convolutions', not
-its 33 products': 27 of those are made again every step, under 1% of its time (7 ms in float32, 31 in
-bfloat16 on a Xeon with AMX); a plan holds 0.04-0.25 MiB, up to 2.2 MiB for a bfloat16 convolution on
-AMX (bench/onednn_plans.py). A Detector keeps its weights' copies in oneDNN's layouts in its own store
+Memory: each shape's primitives (a plan, JIT-compiled where the shape is first met or was let go) are kept in
+a least-recently-used cache of DEFORMABLE_DETR_ONEDNN_PLANS plans of each kind, convolutions and products
+(default 32; oneDNN's own primitive cache holds as many primitives, reorders too; `caches()` counts the
+lookups that found a plan and those that made one), their scratchpads allocated for a call only. 32 hold an
+R50 inference's plans at one size (25 + 11) and a training step's 25 convolutions', not its 33 products': 27
+of those are made again every step, under 1% of its time (7 ms in float32, 31 in bfloat16 on a Xeon with AMX);
+a plan holds 0.04-0.25 MiB, up to 2.2 MiB for a bfloat16 convolution on AMX (bench/onednn_plans.py); an AMX
+convolution's plan stays beyond the capacity (`lasting`: oneDNN 3.2 would keep the kernels of each remake for
+good, native/onednn_conv.cpp). A Detector keeps its weights' copies in oneDNN's layouts in its own store
 (`kept_weights`, at most DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB MiB, default 512), freed with it. Before, a
 process grew by every new image shape's primitives without bound (46 MiB a shape in R50 training on AVX2;
 bench/shape_memory.py).
@@ -198,7 +199,8 @@ def linear(x: mx.array, weight: mx.array, bias=None):
 def caches() -> dict:
     """What the extension keeps: {"convolutions", "products": plans (a shape's primitives) kept now;
     "convolution_hits", "convolution_misses", "product_hits", "product_misses": lookups since the process
-    began that found a kept plan or made one; "capacity": plans of each kind; "onednn_capacity": oneDNN's
+    began that found a kept plan or made one; "capacity": plans of each kind; "lasting": plans kept beyond it
+    (AMX convolutions: native/onednn_conv.cpp says why); "onednn_capacity": oneDNN's
     primitive cache's; "largest_scratchpad": bytes a call has needed at most}; {} where oneDNN is not used."""
     extension = module()
     return {} if extension is None else dict(extension.caches())

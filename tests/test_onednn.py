@@ -269,7 +269,8 @@ def test_the_plans_are_bounded_and_a_graph_keeps_its_own(rng):
             a = x.reshape(-1, 4)
             assert_close(onednn.linear(a, w[:, 0, 0]), a @ w[:, 0, 0].T, 1e-6)
         caches = onednn.caches()
-        assert (caches["convolutions"], caches["products"], caches["onednn_capacity"]) == (6, 6, 6), caches
+        bounded = caches["convolutions"] - caches["lasting"]  # AMX convolutions of other tests stay (a test below)
+        assert (bounded, caches["products"], caches["onednn_capacity"]) == (6, 6, 6), caches
         assert_close(first, mx.conv2d(first_x, w, 1, 1), 1e-6)
     finally:
         extension.set_capacity(before["capacity"])
@@ -410,6 +411,75 @@ def test_kept_weights_are_reused_bounded_never_stale_and_freed_with_their_store(
     gc.collect()
     weights = w.nbytes * 2  # w and w * 2: w stays, w * 2 is freed once the store lets it go
     assert held - mx.get_active_memory() >= weights // 2
+
+
+@needs_bfloat16
+def test_a_slice_of_a_kept_weight_is_kept_once_and_a_view_is_read_as_it_lies(rng):
+    """A product's weight that is a slice of a larger one (MultiheadAttention's thirds of in_proj_weight) has
+    one copy in the store, found at every call: it was copied out of its buffer at each call before (a new
+    buffer: a new copy kept, with the buffer, every forward; the server at `auto` grew by 1.5 GB a minute). A
+    view that is not contiguous (a column slice) is read as it lies: the product of what it shows."""
+    d = 32
+    x = mx.array(rng.standard_normal((50, d)).astype(np.float32))
+    weight = mx.array(rng.standard_normal((3 * d, 2 * d)).astype(np.float32))
+    kept = onednn.kept_weights()
+    with onednn.products_in(mx.bfloat16, kept):
+        for _ in range(3):
+            for third in range(3):
+                rows = weight[third * d : (third + 1) * d, :d]  # a slice of rows and columns: a strided view
+                y = onednn.linear(x, rows)
+                assert_close(y, rounded(x) @ rounded(rows).T, 1e-5)
+            assert kept.count == 3  # one copy a third, whatever the calls
+        whole = weight[:d]  # rows only: dense, the same buffer, another view than the thirds
+        assert_close(onednn.linear(x, whole[:, :d]), rounded(x) @ rounded(whole[:, :d]).T, 1e-5)
+        assert_close(onednn.linear(x.reshape(25, 2 * d), whole), rounded(x.reshape(25, 2 * d)) @ rounded(whole).T, 1e-5)
+
+
+def test_a_copy_whose_weight_is_gone_leaves_the_store(rng):
+    """A weight made for a call (a temporary) is held by nothing but the store once the call is done: its
+    copy, and the buffer the store held for it, go at the next copy made rather than when the capacity
+    pushes them out (512 MiB of copies and their weights)."""
+    x = mx.array(rng.standard_normal((1, 9, 10, 16)).astype(np.float32))
+    w = mx.array(rng.standard_normal((32, 3, 3, 16)).astype(np.float32))
+    kept = onednn.kept_weights()
+    with onednn.products_in(mx.float32, kept):
+        for scale in range(1, 6):
+            y = onednn.conv2d(x, w * scale, 1, 1)
+            assert_close(y, mx.conv2d(x, w * scale, 1, 1), 1e-5)
+            assert kept.count == 1, scale  # the last call's weight; the ones before it are gone
+        mx.eval(onednn.conv2d(x, w, 1, 1))
+        assert kept.count == 1
+
+
+AMX_CONVOLUTION = (
+    onednn.module().conv2d_implementation(mx.zeros((1, 8, 8, 64)), mx.zeros((64, 3, 3, 64)), 1, 1, 1, True)
+    if onednn.module() is not None and NO_FAST_BFLOAT16 is None
+    else "none"
+)
+
+
+@pytest.mark.skipif("amx" not in AMX_CONVOLUTION, reason=f"no AMX convolution here ({AMX_CONVOLUTION})")
+def test_amx_convolution_plans_outlast_the_capacity(rng):
+    """oneDNN 3.2 keeps the kernels of every AMX convolution it makes for the process's life (made again,
+    a convolution adds them again: onednn_conv.cpp's ConvPlan::lasting), so their plans are kept beyond the
+    capacity: a cycle of more shapes than it holds finds them all the second time round, `lasting` counting
+    them; float32's still go (a test above)."""
+    extension, before = onednn.module(), onednn.caches()
+    w = mx.array(rng.standard_normal((64, 3, 3, 64)).astype(np.float32))
+    cycle = [mx.array(rng.standard_normal((1, 9, size, 64)).astype(np.float32)) for size in range(41, 45)]
+    try:
+        extension.set_capacity(2)
+        with onednn.products_in(mx.bfloat16):
+            for x in cycle:
+                mx.eval(onednn.conv2d(x, w, 1, 1))
+            hits, misses = lookups("convolution")
+            for x in cycle:
+                y = onednn.conv2d(x, w, 1, 1)
+                assert_close(y, mx.conv2d(rounded(x), rounded(w), 1, 1), 1e-5)
+        assert lookups("convolution") == (hits + 4, misses)
+        assert onednn.caches()["lasting"] >= before["lasting"] + 4
+    finally:
+        extension.set_capacity(before["capacity"])
 
 
 def test_a_weight_wanted_in_another_layout_keeps_one_copy(rng):

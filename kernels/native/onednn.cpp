@@ -162,9 +162,11 @@ std::shared_ptr<void> own_pages(size_t bytes) {
 
 }  // namespace
 
-// Weights in the layout and dtype a primitive wants, by the weight's buffer: a model's store
-// (KeptWeights), one copy of each weight, at most `capacity` bytes of copies, the least recently used
-// out first. One copy, not one for each layout asked: on AVX2 oneDNN's brgconv blocks a weight's output
+// Weights in the layout and dtype a primitive wants, by the weight's buffer (where in it, and how it lies
+// there: a slice of a larger weight, as MultiheadAttention's thirds of in_proj_weight, is a weight of its
+// own): a model's store (KeptWeights), one copy of each weight, at most `capacity` bytes of copies, the least
+// recently used out first, and a copy whose weight is gone (held by nothing but the store) out at the next
+// copy made. One copy, not one for each layout asked: on AVX2 oneDNN's brgconv blocks a weight's output
 // channels by 16, 24 or 32 as the image's width suits, so a model meeting many sizes would keep up to
 // three copies of each weight (measured as AVX2 over 300 sizes: 40 -> 46 copies, 24 -> 32 MiB, after
 // the tenth size); a weight wanted in another layout is reordered once more (a weight's bytes, against
@@ -179,7 +181,7 @@ class WeightCopies {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (auto entry = order_.begin(); entry != order_.end(); ++entry) {
-        if (entry->source == source && entry->data == data && entry->copy.memory.get_desc() == wanted) {
+        if (entry->is(source, data, plain) && entry->copy.memory.get_desc() == wanted) {
           order_.splice(order_.begin(), order_, entry);
           return order_.front().copy;
         }
@@ -193,7 +195,7 @@ class WeightCopies {
       // Its copy in another layout: replaced. A copy whose weight is held by nothing but this store (the
       // array is gone: a temporary, a model's weight replaced): no call can ask for it again, so it goes now,
       // with the buffer it held, rather than when the capacity pushes it out.
-      if ((entry->source == source && entry->data == data) || entry->source.use_count() == 1) {
+      if (entry->is(source, data, plain) || entry->source.use_count() == 1) {
         bytes_ -= entry->bytes;
         entry = order_.erase(entry);  // a Primitive evaluating with it holds its pages
       } else {
@@ -201,7 +203,7 @@ class WeightCopies {
       }
     }
     if (bytes <= capacity_) {
-      order_.push_front(Entry{source, data, copy, bytes});
+      order_.push_front(Entry{source, data, plain, copy, bytes});
       bytes_ += bytes;
       while (bytes_ > capacity_) {
         bytes_ -= order_.back().bytes;
@@ -220,8 +222,12 @@ class WeightCopies {
   struct Entry {
     std::shared_ptr<mx::array::Data> source;  // held: MLX neither frees nor donates the weight's buffer
     const void* data;
+    dnnl::memory::desc plain;  // the weight as it lies there: two views of one buffer are two weights
     Weight copy;
     size_t bytes;
+    bool is(const std::shared_ptr<mx::array::Data>& s, const void* d, const dnnl::memory::desc& p) const {
+      return source == s && data == d && plain == p;
+    }
   };
   const size_t capacity_;
   std::list<Entry> order_;  // a model's few dozen weights: a list is fast enough to search
@@ -248,7 +254,8 @@ std::string describe() {
 
 // {"convolutions", "products": plans kept; "convolution_hits", "convolution_misses", "product_hits",
 // "product_misses": lookups that found a kept plan or made one, since the process began; "capacity" of each
-// kind; "onednn_capacity": of oneDNN's primitive cache; "largest_scratchpad": the most a call has needed}.
+// kind; "lasting": plans kept beyond it (onednn_conv.cpp's ConvPlan::lasting); "onednn_capacity": of oneDNN's
+// primitive cache; "largest_scratchpad": the most a call has needed}.
 std::unordered_map<std::string, size_t> caches() {
   const PlanCounts convolutions = conv_plans().counts(), products = product_plans().counts();
   return {{"convolutions", convolutions.kept},
@@ -258,6 +265,7 @@ std::unordered_map<std::string, size_t> caches() {
           {"product_hits", products.hits},
           {"product_misses", products.misses},
           {"capacity", plan_capacity_value().load()},
+          {"lasting", convolutions.lasting + products.lasting},
           {"onednn_capacity", size_t(dnnl::get_primitive_cache_capacity())},
           {"largest_scratchpad", largest_scratchpad.load()}};
 }

@@ -73,6 +73,14 @@ std::string slower_than_patches(const std::string& kernel, const ConvShape& s) {
 // `weights_refused` says why not (no fast kernel, a wrong one, or one the patches beat), the patches'.
 struct ConvPlan {
   std::string refused;
+  // Kept whatever the cache's capacity: an AMX convolution (brgconv:avx512_core_amx). oneDNN 3.2 keeps
+  // every brgemm kernel its convolutions JIT-compile in a store for the process's life
+  // (BRGEMM_KERNEL_GLOBAL_STORAGE, disabled in oneDNN 3.4: uxlfoundation/oneDNN#1757), and those of an AMX
+  // convolution differ each time it is made, so every plan made again added its kernels for good: about
+  // 90 KB a bfloat16 3 x 3 convolution of 64 channels made again (1,000 remakes: +90 MiB; float32, AVX512-BF16
+  // and products: 0-7 KB), and a server at `auto` meeting more sizes than the cache holds grew without end.
+  // Kept, each shape is made once: the memory grows with the shapes met, as it would with one remake.
+  bool lasting = false;
   dnnl::convolution_forward::primitive_desc forward_pd;
   dnnl::convolution_forward forward;
   std::once_flag backward_made;  // what it makes is assigned, never thrown: a refusal is remembered
@@ -131,6 +139,7 @@ std::shared_ptr<ConvPlan> conv_plan(const ConvShape& s) {
           s.w_any(), s.y_plain(s.x_type), s.strides(), s.dilates(), s.pads(), s.pads(), attributes());
       plan->refused = refusal(plan->forward_pd, "this convolution", true);
       if (plan->refused.empty()) plan->forward = dnnl::convolution_forward(plan->forward_pd);
+      plan->lasting = plan->refused.empty() && std::string(plan->forward_pd.impl_info_str()).find("amx") != std::string::npos;
     } catch (const std::exception& error) {  // dnnl::error: no implementation at all (bfloat16 on AVX2)
       plan->refused = error.what();
     }

@@ -29,6 +29,7 @@ array gradient_product(const array& a, const array& b, bool transpose_a, bool tr
 // A shape's primitives (its key: ProductShape's, below).
 struct ProductPlan {
   std::string refused;  // as ConvPlan's
+  bool lasting = false;  // as ConvPlan's: oneDNN 3.2's products free all they make (measured as ConvPlan's)
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul product;
   // Where set, the product runs as a 1 x 1 convolution of one image of 1 x m pixels of k channels (see below).
@@ -61,6 +62,11 @@ struct ProductShape {
   }
   dnnl::memory::desc b_desc(dt type) const {
     return transpose_b ? dnnl::memory::desc({k, n}, type, dims{1, k}) : dnnl::memory::desc({k, n}, type, dims{n, 1});
+  }
+  // b as it lies: `strides` (of its stored dims, in elements) where it is a view (a kept weight's slice)
+  dnnl::memory::desc b_desc(dt type, const mx::Strides& strides) const {
+    return transpose_b ? dnnl::memory::desc({k, n}, type, dims{strides[1], strides[0]})
+                       : dnnl::memory::desc({k, n}, type, dims{strides[0], strides[1]});
   }
   dnnl::memory::desc bias_desc() const { return {{1, n}, bias_type, dims{n, 1}}; }
   dnnl::memory::desc out_desc() const { return {{m, n}, a_type, dims{n, 1}}; }
@@ -132,6 +138,7 @@ class Product : public mx::UnaryPrimitive {
     auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
     encoder.dispatch([plan = plan_, s = s_, threads = threads_, a = inputs[0].data<void>(), b = inputs[1].data<void>(),
                       kept = kept_, source = kept_ ? inputs[1].data_shared_ptr() : nullptr,
+                      b_strides = inputs[1].strides(),
                       bias = s_.bias ? inputs[2].data<void>() : nullptr,
                       result = out.data<void>()]() {
       omp_set_num_threads(threads);
@@ -149,7 +156,7 @@ class Product : public mx::UnaryPrimitive {
         return;
       }
       auto src = as_wanted(s.a_desc(s.a_type), a, plan->pd.src_desc());
-      auto wei = weight_as_wanted(kept, source, b, s.b_desc(s.b_type), plan->pd.weights_desc());
+      auto wei = weight_as_wanted(kept, source, b, s.b_desc(s.b_type, b_strides), plan->pd.weights_desc());
       dnnl::memory dst(plan->pd.dst_desc(), engine(), result);
       std::unordered_map<int, dnnl::memory> args{
           {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei.memory}, {DNNL_ARG_DST, dst}};
@@ -215,7 +222,11 @@ ProductShape product_shape(const array& a, const array& b, const std::optional<a
 array product_array(const ProductShape& s, std::shared_ptr<ProductPlan> plan, const array& a, const array& b,
                     const std::optional<array>& bias, std::shared_ptr<WeightCopies> kept, int threads) {
   const auto stream = mx::default_stream(mx::Device::cpu);
-  std::vector<array> inputs{mx::contiguous(a, false, stream), mx::contiguous(b, false, stream)};
+  // A kept weight as it lies, not through mx::contiguous: that copies a slice of a larger buffer (a slice of
+  // MultiheadAttention's in_proj_weight) at every call, and a fresh buffer is a weight the store has not seen:
+  // each forward added a copy of each slice, held with its buffer (the server at `auto` on a bfloat16 CPU grew
+  // by 1.5 GB in a minute). Its layout is read from its strides at the call (b_desc); the copy is dense.
+  std::vector<array> inputs{mx::contiguous(a, false, stream), kept ? b : mx::contiguous(b, false, stream)};
   if (bias) inputs.push_back(mx::contiguous(*bias, false, stream));
   return array({s.m, s.n}, a.dtype(), std::make_shared<Product>(stream, s, std::move(plan), std::move(kept), threads),
                std::move(inputs));

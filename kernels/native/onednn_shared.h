@@ -80,7 +80,7 @@ std::atomic<size_t>& plan_capacity_value();
 
 // A cache's plans kept now, and its lookups since the process began: found (hits) or made (misses).
 struct PlanCounts {
-  size_t kept, hits, misses;
+  size_t kept, hits, misses, lasting;
 };
 
 template <typename Plan>
@@ -104,14 +104,15 @@ class Plans {
     auto made = make();
     std::lock_guard<std::mutex> lock(mutex_);
     if (auto kept = find(key)) return kept;  // another thread's, inserted while this one was made
-    order_.emplace_front(key, made);
+    order_.push_front({key, made, made->lasting});
     index_[key] = order_.begin();
+    lasting_ += made->lasting;
     trim();
     return made;
   }
   PlanCounts counts() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return {order_.size(), hits_, misses_};
+    return {order_.size(), hits_, misses_, lasting_};
   }
   void shrink() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -124,17 +125,26 @@ class Plans {
     auto found = index_.find(key);
     if (found == index_.end()) return nullptr;
     order_.splice(order_.begin(), order_, found->second);
-    return found->second->second;
+    return found->second->plan;
   }
+  // The least recently used plans out until at most the capacity are left, not counting the lasting ones
+  // (a plan's `lasting`: oneDNN cannot free what making it again would add, onednn_conv.cpp), which stay.
   void trim() {
-    while (order_.size() > plan_capacity_value()) {
-      index_.erase(order_.back().first);
-      order_.pop_back();  // a Primitive still in a graph holds its plan until it is done
+    auto entry = order_.end();
+    while (order_.size() - lasting_ > plan_capacity_value() && entry != order_.begin()) {
+      if ((--entry)->lasting) continue;
+      index_.erase(entry->key);
+      entry = order_.erase(entry);  // a Primitive still in a graph holds its plan until it is done
     }
   }
-  std::list<std::pair<std::string, std::shared_ptr<Plan>>> order_;
+  struct Entry {
+    std::string key;
+    std::shared_ptr<Plan> plan;
+    bool lasting;  // the plan's, read where it is made (the Plan type is complete there, not in onednn.cpp)
+  };
+  std::list<Entry> order_;
   std::unordered_map<std::string, typename decltype(order_)::iterator> index_;
-  size_t hits_ = 0, misses_ = 0;
+  size_t hits_ = 0, misses_ = 0, lasting_ = 0;
   std::mutex mutex_;
 };
 
