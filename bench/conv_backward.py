@@ -11,7 +11,7 @@ kernels/native/onednn_conv.cpp's and onednn_product.cpp's rules (`slower_than_pa
 Each row: the R50 backbone's convolution at batch 2 (stages 2-4; the stem and stage 1 are frozen), how many
 the step has, the forward and each pass's time with oneDNN's kernel and with the patches (median of
 `--repeats` after a warm-up, in milliseconds, the forward included in each pass's time), and which the
-plan now picks. It runs with DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES=1 so that oneDNN's own kernels can be
+plan now picks. It runs with KERNELS_ONEDNN_SLOWER_PASSES=1 so that oneDNN's own kernels can be
 timed. Run it as the machine is, or as an AVX2 CPU (bench/cpu_tables.sh --as-avx2's variables).
 """
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES"] = "1"  # read when the extension makes its first plan
+os.environ["KERNELS_ONEDNN_SLOWER_PASSES"] = "1"  # read when kernels loads oneDNN, at its first call
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels  # noqa: E402, I001  (before mlx: the BLAS)
 

@@ -1,6 +1,6 @@
 """How close the port stays to the authors' PyTorch outputs with oneDNN's products and with the old
 path: the worst errors of every quantity tests/test_fidelity.py compares, once with
-DEFORMABLE_DETR_ONEDNN=0 (OpenBLAS products, im2col convolutions) and once with oneDNN (the default on
+KERNELS_ONEDNN=0 (OpenBLAS products, im2col convolutions) and once with oneDNN (the default on
 x86-64 Linux), each in its own process (the variable is read once per process).
 
     python bench/fidelity.py [--variants base,refine,two_stage] [--output bench/results/fidelity_cpu.txt]
@@ -29,7 +29,7 @@ from common import cpu_model, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("base", "refine", "two_stage")
-SIDES = {"OpenBLAS (DEFORMABLE_DETR_ONEDNN=0)": "0", "oneDNN (default)": None}
+SIDES = {"OpenBLAS (KERNELS_ONEDNN=0)": "0", "oneDNN (default)": None}
 
 
 def compared(ours, theirs, atol: float, rtol: float, scale: float = 1.0) -> dict:
@@ -57,7 +57,7 @@ def worst(entries: dict) -> dict:
 
 def measure(variants: list[str]) -> dict:
     """{row: compared(...)} for each variant's outputs, losses, gradients and detections' scores, in
-    this process's setting of DEFORMABLE_DETR_ONEDNN."""
+    this process's setting of KERNELS_ONEDNN."""
     os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as tests/conftest.py: full float32 products
     sys.path.insert(0, str(ROOT / "tests"))
     from deformable_detr import post_process
@@ -146,9 +146,10 @@ def main(argv=None):
 
     results = {}
     for side, value in SIDES.items():
-        env = {k: v for k, v in os.environ.items() if k != kernels.onednn.VARIABLE}
+        switch = kernels.settings.ONEDNN
+        env = {k: v for k, v in os.environ.items() if k not in (switch.name, switch.old)}
         if value is not None:
-            env[kernels.onednn.VARIABLE] = value
+            env[switch.name] = value
         command = [sys.executable, __file__, "--measure", "--variants", args.variants]
         print(f"{side} ...", file=sys.stderr, flush=True)
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)

@@ -1,5 +1,5 @@
 """oneDNN's plan cache (kernels/onednn.py: a shape's primitives, least recently used out first): what a
-training step makes again at each capacity (DEFORMABLE_DETR_ONEDNN_PLANS), and what a plan costs to make and
+training step makes again at each capacity (KERNELS_ONEDNN_PLANS), and what a plan costs to make and
 to keep.
 
     python bench/onednn_plans.py [--capacities 32,1024] [--steps 3] [--size 512x683]
@@ -176,7 +176,7 @@ def main(argv=None):
         for capacity in capacities:
             command = [sys.executable, __file__, "--measure", precision, "--steps", str(args.steps)]
             command += ["--size", f"{size[0]}x{size[1]}"]
-            env = {**os.environ, "DEFORMABLE_DETR_ONEDNN_PLANS": str(capacity), "ONEDNN_VERBOSE": "profile_create"}
+            env = {**os.environ, "KERNELS_ONEDNN_PLANS": str(capacity), "ONEDNN_VERBOSE": "profile_create"}
             run = measured(command, env, f"the {precision} step at {capacity} plans")
             lines.append(
                 f"| {precision} | {capacity} | {run['made'][0]:.0f} + {run['made'][1]:.0f} | "

@@ -1,5 +1,5 @@
 """The process's memory over many distinct image shapes, with oneDNN (kernels/onednn.py) and without
-(DEFORMABLE_DETR_ONEDNN=0), each in its own process: does it stay bounded, and what does a new shape cost?
+(KERNELS_ONEDNN=0), each in its own process: does it stay bounded, and what does a new shape cost?
 
     python bench/shape_memory.py [--inference-shapes 300] [--train-shapes 50]
                                  [--output bench/results/shape_memory_cpu.txt]
@@ -17,7 +17,7 @@ the same code and shapes (the R50 step as AVX2: +3 to +8 MiB in some runs, +32 t
 all of it within the first ten shapes: how glibc's heap happened to be laid out by the first step);
 the second is the one that would grow without bound. In inference a Detector also keeps its weights'
 copies in the layouts oneDNN's kernels want (kernels.onednn.kept_weights, at most
-DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB): a new shape can want a new layout, so that store grows with the
+KERNELS_ONEDNN_WEIGHTS_MIB): a new shape can want a new layout, so that store grows with the
 first shapes too (the last column), by design and bounded. Run it as the machine is (an AVX2 CPU's oneDNN
 kernels differ: ONEDNN_MAX_CPU_ISA=AVX2 on a newer one); the header says which. It also runs on the code
 before issue 61 (PYTHONPATH=<that checkout>, its configs), which gave the "before" figures.
@@ -193,7 +193,7 @@ def main(argv=None):
         + (f", ONEDNN_MAX_CPU_ISA={isa}" if isa else "")
         + f"; load average at start: {load_average()}",
         f"the code at {ROOT}; oneDNN: {kernels.onednn.describe()}; plan capacity "
-        f"{caches().get('capacity', 'unbounded')} (DEFORMABLE_DETR_ONEDNN_PLANS)",
+        f"{caches().get('capacity', 'unbounded')} (KERNELS_ONEDNN_PLANS)",
         "inference: configs/shapes.yaml's model, one forward per shape (64-256 x 64-256) as Detector runs it; "
         "train: configs/r50.yaml's step at batch 1, one per shape (256-416 x 320-416); RSS in MiB after the "
         "first shape, the tenth and at the end; growth from the first and from the tenth; a new shape's first "
@@ -206,9 +206,9 @@ def main(argv=None):
     rows, traces, verdicts = [], [], []
     for task, count in (("inference", args.inference_shapes), ("train", args.train_shapes)):
         growth, settled = {}, {}
-        for name, off in (("oneDNN", "1"), ("none (DEFORMABLE_DETR_ONEDNN=0)", "0")):
+        for name, off in (("oneDNN", "1"), ("none (KERNELS_ONEDNN=0)", "0")):
             command = [sys.executable, __file__, "--task", task, "--count", str(count)]
-            result = measured(command, {**os.environ, "DEFORMABLE_DETR_ONEDNN": off}, f"{task} {name}")
+            result = measured(command, {**os.environ, "KERNELS_ONEDNN": off}, f"{task} {name}")
             rows.append(row_for(task, name, result))
             traces.append(
                 f"{task}, {name}: RSS after shape " + ", ".join(f"{i}: {r:.0f}" for i, r, _ in result["trace"])

@@ -5,7 +5,7 @@
 
 Each side runs in its own process (a BLAS can only be chosen before MLX loads), set up as every
 process that imports deformable_detr (runtime.py: glibc's malloc keeping freed memory, the BLAS) with
-DEFORMABLE_DETR_BLAS set to the side: MLX's bundled reference BLAS, OpenBLAS (scipy-openblas32) or
+KERNELS_BLAS set to the side: MLX's bundled reference BLAS, OpenBLAS (scipy-openblas32) or
 MKL (the `mkl` extra); a side whose BLAS is not installed is left out. Synthetic images (the config's
 batch where it is at most 8, the quick start's; else 2; size x size), two boxes each; median of
 --steps steps after one warm-up."""
@@ -99,7 +99,7 @@ def main(argv=None):
     base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     results = {}
     for side in args.blas:
-        env = dict(base_env, DEFORMABLE_DETR_BLAS=side)
+        env = dict(base_env, KERNELS_BLAS=side)
         if side != "bundled" and blas.choice(env) != side:
             print(f"{names[side]}: not installed here, left out", file=sys.stderr)
             continue

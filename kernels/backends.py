@@ -1,12 +1,11 @@
 """Which implementation runs an op: the MLX-ops path (every device, every float dtype), a fused
 GPU kernel (`kernels.metal`, `kernels.cuda`) or the C++ CPU kernel (`kernels.cpu`)."""
 
-import os
-
 import mlx.core as mx
 
 from . import cpu, cuda, metal
 from .export import exporting
+from .settings import BACKEND
 
 FUSED = {"metal": metal.METAL, "cuda": cuda.CUDA}
 NATIVE_CPU = {"cpu": cpu.CPU}  # ms_deform_attn only
@@ -50,10 +49,7 @@ def select(op: str, backend: str | None, dtype: mx.Dtype, unsupported: str | Non
 def from_environment() -> str | None:
     """KERNELS_BACKEND: the back-end for calls that name none (for callers such as a model, which
     cannot pass `backend=`); unset or empty: the automatic choice."""
-    name = os.environ.get("KERNELS_BACKEND", "").strip() or None
-    if name is not None and name not in NAMES:
-        raise ValueError(f"KERNELS_BACKEND={name!r}: expected one of {', '.join(NAMES)}")
-    return name
+    return BACKEND.value()
 
 
 def available() -> tuple[str, ...]:

@@ -7,7 +7,7 @@ into the global symbol scope before that (`load`, as LD_PRELOAD would) takes tho
 loaded after cannot. So `set_up()` loads the chosen BLAS where MLX is not imported yet, and where it
 is, says once (a warning) which BLAS MLX runs and how to get the fast one.
 
-Which: DEFORMABLE_DETR_BLAS=auto|openblas|mkl|bundled.
+Which: KERNELS_BLAS=auto|openblas|mkl|bundled (kernels/settings.py).
 - `auto` (the default): MKL on Intel CPUs where it is installed (the `mkl` extra), else
   OpenBLAS (`scipy-openblas32`, installed on Linux x86-64), else MLX's own. On AMD CPUs MKL runs its
   generic kernels: the model's products took it 1.3-1.6x OpenBLAS's time on an AMD EPYC (AVX-512);
@@ -24,8 +24,9 @@ import sys
 import warnings
 from pathlib import Path
 
-VARIABLE = "DEFORMABLE_DETR_BLAS"
-CHOICES = ("auto", "openblas", "mkl", "bundled")
+from . import settings
+
+CHOICES = settings.BLAS_CHOICES
 # Set beside each BLAS before it loads. OpenBLAS's idle threads spin for 2**28 cycles after each product,
 # on the cores MLX's one-thread operations and the attention kernel's threads need: 2**4 made an R50
 # inference 0.3 s faster on an AMD EPYC (2.98 / 3.49 s against 3.32 / 3.81 s, alternating) and a
@@ -65,10 +66,8 @@ def cpu_vendor() -> str:
 
 
 def preference(environ=None) -> list[str]:
-    """DEFORMABLE_DETR_BLAS of `environ` (default: this process's) as the BLAS to try, in order."""
-    choice = (os.environ if environ is None else environ).get(VARIABLE, "auto")
-    if choice not in CHOICES:
-        raise ValueError(f"{VARIABLE}={choice!r}: expected one of {', '.join(CHOICES)}")
+    """KERNELS_BLAS of `environ` (default: this process's) as the BLAS to try, in order."""
+    choice = settings.BLAS.value(environ)
     if choice == "auto":
         return ["mkl", "openblas"] if cpu_vendor() == "GenuineIntel" else ["openblas", "mkl"]
     return [] if choice == "bundled" else [choice]
@@ -126,12 +125,12 @@ def description() -> str:
 
 def set_up():
     """Before MLX is imported: load the chosen BLAS. After: warn where MLX runs its bundled BLAS while a
-    faster one is installed. A DEFORMABLE_DETR_BLAS that is none of CHOICES: a warning, and `auto`."""
+    faster one is installed. A KERNELS_BLAS that is none of CHOICES: a warning, and `auto`."""
     try:
         preference()
     except ValueError as error:
         warnings.warn(f"{error}; using auto", RuntimeWarning, stacklevel=3)
-        os.environ[VARIABLE] = "auto"
+        os.environ[settings.BLAS.name] = "auto"  # this process's later reads, and its children's
     if "mlx.core" not in sys.modules:
         load()
         return

@@ -14,7 +14,7 @@ products (`--precision bfloat16` at inference), and bfloat16 activations give bf
 (`bfloat16_kernels`: AMX or AVX512-BF16 kernels; kernels.precision decides from it).
 
 Memory: each shape's primitives (a plan, JIT-compiled where the shape is first met or was let go) are kept in
-a least-recently-used cache of DEFORMABLE_DETR_ONEDNN_PLANS plans of each kind, convolutions and products
+a least-recently-used cache of KERNELS_ONEDNN_PLANS plans of each kind, convolutions and products
 (default 32; oneDNN's own primitive cache holds as many primitives, reorders too; `caches()` counts the
 lookups that found a plan and those that made one), their scratchpads allocated for a call only. 32 hold an
 R50 inference's plans at one size (25 + 11) and a training step's 25 convolutions', not its 33 products': 27
@@ -22,13 +22,13 @@ of those are made again every step, under 1% of its time (7 ms in float32, 31 in
 a plan holds 0.04-0.25 MiB, up to 2.2 MiB for a bfloat16 convolution on AMX (bench/onednn_plans.py); an AMX
 convolution's plan stays beyond the capacity (`lasting`: oneDNN 3.2 would keep the kernels of each remake for
 good, native/onednn_conv.cpp). A Detector keeps its weights' copies in oneDNN's layouts in its own store
-(`kept_weights`, at most DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB MiB, default 512), freed with it. Before, a
+(`kept_weights`, at most KERNELS_ONEDNN_WEIGHTS_MIB MiB, default 512), freed with it. Before, a
 process grew by every new image shape's primitives without bound (46 MiB a shape in R50 training on AVX2;
 bench/shape_memory.py).
 
 Where it is not used: off the CPU (Metal on a Mac keeps MLX's kernels), in `export_mode()` (an
 exported file holds MLX ops), where the extension or the library is missing (one line on stderr, once,
-on x86-64 Linux, where it is expected), or with DEFORMABLE_DETR_ONEDNN=0: `conv2d` and `linear` answer
+on x86-64 Linux, where it is expected), or with KERNELS_ONEDNN=0: `conv2d` and `linear` answer
 None and the caller computes as before, the same answers up to float32 rounding. They also answer None
 for a shape where oneDNN has only its reference loops or its im2col + GEMM (bfloat16 on AVX2, a 7 x 7 stem
 on a one-pixel-wide image), remembered per shape: the caller's own fast path computes it
@@ -53,16 +53,15 @@ from importlib import metadata
 
 import mlx.core as mx
 
+from . import settings
 from .cpu import threads
 from .export import exporting
 from .native import other_mlx
 
-VARIABLE = "DEFORMABLE_DETR_ONEDNN"
-# The caches' capacities (native/onednn.cpp, whose top says what 32 keeps and what it makes again): plans (a
-# shape's primitives) of each kind (oneDNN's own primitive cache gets as many primitives), and MiB of a model's
-# kept weight copies (`kept_weights`).
-PLANS_VARIABLE, PLANS = "DEFORMABLE_DETR_ONEDNN_PLANS", 32
-WEIGHTS_VARIABLE, WEIGHTS_MIB = "DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB", 512
+# Whether oneDNN is used, and the caches' capacities (native/onednn.cpp, whose top says what 32 keeps and what it
+# makes again): plans (a shape's primitives) of each kind (oneDNN's own primitive cache gets as many primitives),
+# and MiB of a model's kept weight copies (`kept_weights`). Their defaults and parsers: kernels/settings.py.
+SWITCH, PLANS, WEIGHTS_MIB = settings.ONEDNN, settings.ONEDNN_PLANS, settings.ONEDNN_WEIGHTS_MIB
 DISTRIBUTION = "onednn-cpu-gomp"
 EXPECTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
@@ -81,8 +80,8 @@ def _library():
 
 @cache
 def _load():
-    if os.environ.get(VARIABLE, "1") == "0":
-        return None, f"{VARIABLE}=0"
+    if not SWITCH.value():
+        return None, f"{SWITCH.name}=0"
     library = _library()
     if library is None or not library.is_file():
         return None, f"oneDNN's library is not installed (pip install {DISTRIBUTION}==2023.2.0)"
@@ -95,17 +94,9 @@ def _load():
     mismatch = other_mlx(module)
     if mismatch:
         return None, mismatch
-    module.set_capacity(_whole_number(PLANS_VARIABLE, PLANS))
+    module.set_capacity(PLANS.value())
+    module.set_slower_passes(settings.ONEDNN_SLOWER_PASSES.value())  # its C++ reads no environment
     return module, None
-
-
-def _whole_number(variable: str, default: int) -> int:
-    text = os.environ.get(variable, "").strip()
-    if not text:
-        return default
-    if not text.isdigit():
-        raise ValueError(f"{variable}={text}: expected a whole number >= 0 (default {default})")
-    return int(text)
 
 
 def module():
@@ -120,7 +111,7 @@ def missing() -> str | None:
 @cache
 def _say_missing_once():
     why = missing()
-    if why is not None and EXPECTED and not why.startswith(VARIABLE):
+    if why is not None and EXPECTED and not why.startswith(SWITCH.name):
         print(f"kernels: convolutions and products run on MLX, not oneDNN: {why}", file=sys.stderr)
 
 
@@ -162,11 +153,11 @@ def products_in(dtype, kept=None):
 
 def kept_weights():
     """A new store for a model's weight copies (products_in's `kept`), at most
-    DEFORMABLE_DETR_ONEDNN_WEIGHTS_MIB MiB (default 512; its `count`, `bytes`, `capacity`), for a model
+    KERNELS_ONEDNN_WEIGHTS_MIB MiB (default 512; its `count`, `bytes`, `capacity`), for a model
     whose weights do not change while it is used (a Detector's: dropped with it, which frees the copies
     and lets MLX free the weights); None where oneDNN is not used."""
     extension = module()
-    return None if extension is None else extension.KeptWeights(_whole_number(WEIGHTS_VARIABLE, WEIGHTS_MIB) << 20)
+    return None if extension is None else extension.KeptWeights(WEIGHTS_MIB.value() << 20)
 
 
 def conv2d(x: mx.array, weight: mx.array, stride: int = 1, padding: int = 0, dilation: int = 1):

@@ -7,11 +7,12 @@ path from then on (slower, the same numbers).
 KERNELS_SELF_CHECK=0 skips the checks. A back-end named with `backend=` (or KERNELS_BACKEND, for
 callers that cannot pass it, such as a model) is used as told, unchecked."""
 
-import os
 import warnings
 
 import mlx.core as mx
 import numpy as np
+
+from .settings import BACKEND, SELF_CHECK
 
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 5e-2}  # relative to each array's largest value
 REPORT = "kernels/README.md#when-a-fused-kernel-fails-its-self-check"
@@ -25,7 +26,7 @@ _verdicts: dict = {}  # instance -> True (the kernel is used) or False (the MLX-
 
 
 def enabled() -> bool:
-    return os.environ.get("KERNELS_SELF_CHECK", "1").strip() != "0"
+    return SELF_CHECK.value()
 
 
 def trusted(backend, op: str, dtype: mx.Dtype, options: dict, fused, reference, inputs) -> bool:
@@ -39,8 +40,8 @@ def trusted(backend, op: str, dtype: mx.Dtype, options: dict, fused, reference, 
             warnings.warn(
                 f"kernels: the fused {backend.name} kernel of {op} ({described}) failed its self-check: {problem}. "
                 f"This instance runs on the MLX-ops path from now on (slower, the same numbers). Please report it "
-                f"with your MLX version ({mx.__version__}) and device ({REPORT}); KERNELS_SELF_CHECK=0 skips the "
-                f"check, KERNELS_BACKEND={backend.name} forces the kernel.",
+                f"with your MLX version ({mx.__version__}) and device ({REPORT}); {SELF_CHECK.name}=0 skips the "
+                f"check, {BACKEND.name}={backend.name} forces the kernel.",
                 KernelSelfCheckWarning,
                 stacklevel=4,
             )

@@ -183,27 +183,29 @@ args = [mx.array(data[name]) for name in ("value", "locations", "weights")]
 (out,), grads = mx.vjp(lambda v, l, w: kernels.ms_deform_attn(v, shapes, None, l, w, backend="cpu"), args,
                        [mx.array(data["cotangent"])])
 np.savez(sys.argv[2], *[np.array(a) for a in (out, *grads)])
+print(kernels.native.module().attention_isa())  # the build that ran
 """
 
 
 @pytest.mark.parametrize("channels", [32, 71])
 def test_cpu_kernel_builds_give_the_same_bits(channels, rng, tmp_path):
     """The kernel is built for AVX-512, AVX2 and the baseline and runs the widest this CPU has
-    (KERNELS_ATTENTION_ISA=2|1|0 caps it, read once by a process): each build this CPU can run gives
+    (KERNELS_ATTENTION_ISA=2|1|0 caps it, given to the extension as it loads): each build this CPU can run gives
     the same output and gradients bit for bit, with edge, NaN and infinite points, 3 levels x 4 points."""
     shapes = ((9, 7), (4, 3), (2, 5))
     value, locations, weights = (np.array(a) for a in ms_inputs(rng, shapes, False, channels=channels, points=4))
     cotangent = rng.standard_normal((value.shape[0], locations.shape[1], value.shape[2] * channels)).astype(np.float32)
     np.savez(tmp_path / "inputs.npz", value=value, locations=locations, weights=weights, cotangent=cotangent)
-    results = {}
+    results, ran = {}, {}
     for isa in ("2", "1", "0"):
         env = {**os.environ, "KERNELS_ATTENTION_ISA": isa}
         out = tmp_path / f"isa{isa}.npz"
         command = [sys.executable, "-c", BUILD_RESULTS, str(tmp_path / "inputs.npz"), str(out)]
-        subprocess.run(command, env=env, check=True)
+        ran[isa] = int(subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout)
         with np.load(out) as saved:
             results[isa] = [saved[f"arr_{i}"] for i in range(4)]
     assert np.abs(results["0"][2]).max() > 0
+    assert ran == {"2": ran["2"], "1": min(1, ran["2"]), "0": 0}, ran  # the cap reached the C++
     for isa in ("2", "1"):
         names = ("output", "value", "locations", "weights")
         for name, got, want in zip(names, results[isa], results["0"], strict=True):

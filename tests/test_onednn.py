@@ -179,12 +179,12 @@ def test_without_it_mlx_computes_and_says_so_once(capsys, monkeypatch, rng):
 def test_switched_off_by_its_variable_silently():
     code = (
         "import kernels, mlx.core as mx; from kernels import onednn; x = mx.ones((2, 3)); "
-        "assert onednn.linear(x, x) is None and onednn.missing() == 'DEFORMABLE_DETR_ONEDNN=0'; "
+        "assert onednn.linear(x, x) is None and onednn.missing() == 'KERNELS_ONEDNN=0'; "
         "print(kernels.linear(x, x).tolist())"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "DEFORMABLE_DETR_ONEDNN": "0"},
+        env={**os.environ, "KERNELS_ONEDNN": "0"},
         capture_output=True,
         text=True,
         check=True,
@@ -277,13 +277,15 @@ def test_the_plans_are_bounded_and_a_graph_keeps_its_own(rng):
     assert onednn.caches()["onednn_capacity"] == before["capacity"]
 
 
-@pytest.mark.parametrize("plans, answer", [("3", "3"), ("", "32"), ("many", "DEFORMABLE_DETR_ONEDNN_PLANS=many")])
+@pytest.mark.parametrize(
+    "plans, answer", [("3", "3"), ("", "32"), ("many", "KERNELS_ONEDNN_PLANS='many': expected a whole number >= 0")]
+)
 def test_the_plan_capacity_comes_from_its_variable(plans, answer):
     code = "from kernels import onednn; c = onednn.caches(); assert c['onednn_capacity'] == c['capacity']; "
     code += "print(c['capacity'])"
     done = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "DEFORMABLE_DETR_ONEDNN_PLANS": plans},
+        env={**os.environ, "KERNELS_ONEDNN_PLANS": plans},
         capture_output=True,
         text=True,
     )

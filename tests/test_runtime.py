@@ -54,7 +54,7 @@ for warning in caught:
 def run_python(source: str, **settings) -> str:
     """`source` run by a fresh Python in the checkout, this process's environment without the variables
     the set-up reads (but `settings`) -> what it printed."""
-    ours = ("LD_PRELOAD", "DEFORMABLE_DETR_BLAS", *runtime.MALLOC, runtime.ARENA_VARIABLE)
+    ours = ("LD_PRELOAD", blas.settings.BLAS.name, blas.settings.BLAS.old, *runtime.MALLOC, runtime.ARENA_VARIABLE)
     environment = {k: v for k, v in os.environ.items() if k not in ours}
     done = subprocess.run(
         [sys.executable, "-c", source],
@@ -77,14 +77,14 @@ def run_program(imports: str, **settings) -> tuple[str, int, int, list[str]]:
 @pytest.mark.parametrize("first", ["import deformable_detr", "import kernels"])
 @pytest.mark.parametrize("choice", ["openblas", "mkl", "bundled"])
 def test_importing_the_project_first_gives_mlx_the_chosen_blas(first, choice):
-    chosen = blas.choice({"DEFORMABLE_DETR_BLAS": choice})  # bundled where that one is not installed
-    in_use, count, _, told = run_program(first, DEFORMABLE_DETR_BLAS=choice)
+    chosen = blas.choice({"KERNELS_BLAS": choice})  # bundled where that one is not installed
+    in_use, count, _, told = run_program(first, KERNELS_BLAS=choice)
     assert (in_use, count) == (chosen, 0), told
 
 
 @linux
 def test_importing_mlx_first_warns_once_naming_the_blas_and_the_fix():
-    chosen = blas.choice({})  # the programs run without DEFORMABLE_DETR_BLAS
+    chosen = blas.choice({})  # the programs run without KERNELS_BLAS
     if chosen == "bundled":
         pytest.skip("no faster BLAS is installed here: MLX's own is the choice, nothing to warn about")
     in_use, count, _, told = run_program("import mlx.core\n    import deformable_detr")
@@ -161,9 +161,9 @@ def test_auto_is_mkl_on_intel_and_openblas_elsewhere(monkeypatch):
     ]:
         monkeypatch.setattr(blas, "cpu_vendor", lambda vendor=vendor: vendor)
         assert blas.preference({}) == want
-        assert blas.preference({"DEFORMABLE_DETR_BLAS": "auto"}) == want
-        assert blas.preference({"DEFORMABLE_DETR_BLAS": "mkl"}) == ["mkl"]
-        assert blas.preference({"DEFORMABLE_DETR_BLAS": "bundled"}) == []
+        assert blas.preference({"KERNELS_BLAS": "auto"}) == want
+        assert blas.preference({"KERNELS_BLAS": "mkl"}) == ["mkl"]
+        assert blas.preference({"KERNELS_BLAS": "bundled"}) == []
 
 
 @linux
@@ -171,16 +171,14 @@ def test_auto_takes_the_other_blas_where_the_first_is_missing(monkeypatch):
     monkeypatch.setattr(blas, "cpu_vendor", lambda: "GenuineIntel")
     monkeypatch.setattr(blas, "mkl_libraries", list)  # MKL is an extra: where it is not installed
     assert blas.choice({}) == ("openblas" if blas.openblas_libraries() else "bundled")
-    assert blas.choice({"DEFORMABLE_DETR_BLAS": "mkl"}) == "bundled"  # asked for, not here
+    assert blas.choice({"KERNELS_BLAS": "mkl"}) == "bundled"  # asked for, not here
 
 
 @linux
 def test_a_wrong_choice_is_one_warning_and_auto():
-    in_use, count, _, told = run_program("import deformable_detr", DEFORMABLE_DETR_BLAS="atlas")
+    in_use, count, _, told = run_program("import deformable_detr", KERNELS_BLAS="atlas")
     assert (in_use, count) == (blas.choice({}), 1)
-    assert told == [
-        "RuntimeWarning: DEFORMABLE_DETR_BLAS='atlas': expected one of auto, openblas, mkl, bundled; using auto"
-    ]
+    assert told == ["RuntimeWarning: KERNELS_BLAS='atlas': expected one of auto, openblas, mkl, bundled; using auto"]
 
 
 @linux

@@ -14,6 +14,7 @@ from functools import cache
 import mlx.core as mx
 
 from ..export import exporting
+from ..settings import ATTENTION_ISA
 
 # Right from a wheel and from a checkout alike: `kernels` sits below deformable_detr and does not ask
 # which it runs from (deformable_detr.errors.install_hint does), and `pip install -e .` works only in a checkout.
@@ -26,7 +27,10 @@ def _load():
         module = importlib.import_module("kernels._native")
     except ImportError as error:
         return None, f"the C++ extension kernels._native is not built ({error}): {REBUILD}"
-    return (None, other_mlx(module)) if other_mlx(module) else (module, None)
+    if other_mlx(module):
+        return None, other_mlx(module)
+    module.set_attention_isa(ATTENTION_ISA.value())  # before its first use: its C++ reads no environment
+    return module, None
 
 
 def other_mlx(module) -> str | None:

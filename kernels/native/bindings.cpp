@@ -6,6 +6,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <stdexcept>
+
+#include "attention_isa.h"
 #include "mlx/version.h"
 #include "ops.h"
 
@@ -46,4 +49,13 @@ NB_MODULE(_native, m) {
   m.def("scale_where_positive", &kernels::scale_where_positive, "x"_a, "output"_a, "scale"_a, "threads"_a);
   m.def("adamw_update", &kernels::adamw_update, "parameter"_a, "gradient"_a, "m"_a, "v"_a, "factors"_a, "beta1"_a,
         "one_minus_beta1"_a, "beta2"_a, "one_minus_beta2"_a, "eps"_a, "threads"_a);
+  m.def("attention_isa", &kernels::attention_isa);
+  // KERNELS_ATTENTION_ISA's value (kernels/settings.py), given when the module loads.
+  m.def(
+      "set_attention_isa",
+      [](int cap) {
+        if (cap < 0 || cap > 2) throw std::invalid_argument("set_attention_isa: 0, 1 or 2, not " + std::to_string(cap));
+        ms_deform_attn_cpu::isa_cap() = cap;
+      },
+      "cap"_a);
 }

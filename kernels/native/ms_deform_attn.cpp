@@ -146,4 +146,6 @@ array ms_deform_attn(const array& value, const array& locations, const array& we
                {prepared(value), prepared(locations), prepared(weights)});
 }
 
+int attention_isa() { return ms_deform_attn_cpu::isa_level(); }
+
 }  // namespace kernels

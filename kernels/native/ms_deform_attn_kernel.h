@@ -28,6 +28,7 @@
 #define INLINE static inline
 #endif
 
+#include "attention_isa.h"
 #include "parallel.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -128,17 +129,11 @@ namespace widest = plain;
 namespace wide = plain;
 #endif
 
-// The build this CPU runs: 2 AVX-512, 1 AVX2, 0 the baseline. KERNELS_ATTENTION_ISA (0, 1 or 2) caps
-// it, so that one machine can time and test the narrower builds.
+// The build this CPU runs: 2 AVX-512, 1 AVX2, 0 the baseline, at most isa_cap() (attention_isa.h:
+// KERNELS_ATTENTION_ISA, set when the module loads).
 inline int isa_level() {
-  static const int level = [] {
-    int found = widest_supported() ? 2 : (wide_supported() ? 1 : 0);
-    if (const char* cap = std::getenv("KERNELS_ATTENTION_ISA"); cap != nullptr && *cap >= '0' && *cap <= '2') {
-      found = std::min(found, *cap - '0');
-    }
-    return found;
-  }();
-  return level;
+  static const int found = widest_supported() ? 2 : (wide_supported() ? 1 : 0);
+  return std::min(found, isa_cap().load(std::memory_order_relaxed));
 }
 template <class F>
 INLINE F chosen(F widest, F wide, F plain) {

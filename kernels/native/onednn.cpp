@@ -12,7 +12,7 @@
 // first VJP; a product's) are a plan, made on the caller's thread while the graph is built, where the
 // shape's plan is not kept (outside the cache's lock: onednn_shared.h's Plans), and kept in a
 // least-recently-used cache of `plan_capacity_value()` plans of each kind, convolutions and products
-// (DEFORMABLE_DETR_ONEDNN_PLANS, default 32; caches() counts the lookups that found one and those that made
+// (KERNELS_ONEDNN_PLANS, default 32; caches() counts the lookups that found one and those that made
 // one). A Primitive in a graph holds its plan until it is done, kept or not. A shape oneDNN has no fast
 // implementation for is kept in the same cache as refused, with why: the caller gets None and computes it
 // its own way, without oneDNN being asked again while that is kept. oneDNN's own primitive cache (every
@@ -130,20 +130,20 @@ dnnl::memory as_wanted(const dnnl::memory::desc& user_desc, const void* data, co
   return converted;
 }
 
-bool keep_slower_passes() {
-  static const bool keep = [] {
-    const char* value = std::getenv("DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES");
-    return value != nullptr && std::string(value) == "1";
-  }();
-  return keep;
-}
+namespace {
+std::atomic<bool> slower_passes = false;  // KERNELS_ONEDNN_SLOWER_PASSES, set when kernels/onednn.py loads the module
+}  // namespace
+
+bool keep_slower_passes() { return slower_passes.load(std::memory_order_relaxed); }
+
+void set_slower_passes(bool keep) { slower_passes = keep; }
 
 // ---------------------------------------------------------------------------------------------------
 // The caches: plans by shape (count; the class in onednn_shared.h), kept weights by buffer (bytes); least
 // recently used out first.
 
 std::atomic<size_t>& plan_capacity_value() {
-  static std::atomic<size_t> capacity = 32;  // kernels/onednn.py sets DEFORMABLE_DETR_ONEDNN_PLANS' value
+  static std::atomic<size_t> capacity = 32;  // kernels/onednn.py sets KERNELS_ONEDNN_PLANS' value
   return capacity;
 }
 

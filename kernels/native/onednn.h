@@ -47,5 +47,7 @@ std::string product_implementation(const array& a, const array& b, const std::op
                                    bool transpose_b, bool bfloat16, bool weights_kept);
 std::unordered_map<std::string, size_t> caches();
 void set_capacity(size_t plans);
+// KERNELS_ONEDNN_SLOWER_PASSES (onednn_shared.h's keep_slower_passes), given when kernels/onednn.py loads the module.
+void set_slower_passes(bool keep);
 
 }  // namespace kernels_onednn

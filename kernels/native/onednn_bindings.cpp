@@ -36,4 +36,5 @@ NB_MODULE(_onednn, m) {
         "transpose_a"_a, "transpose_b"_a, "bfloat16"_a = false, "weights_kept"_a = false);
   m.def("caches", &kernels_onednn::caches);
   m.def("set_capacity", &kernels_onednn::set_capacity, "plans"_a);
+  m.def("set_slower_passes", &kernels_onednn::set_slower_passes, "keep"_a);  // KERNELS_ONEDNN_SLOWER_PASSES
 }

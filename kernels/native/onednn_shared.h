@@ -55,9 +55,9 @@ void execute(const dnnl::primitive& primitive, const dnnl::memory::desc& scratch
 dnnl::memory as_wanted(const dnnl::memory::desc& user_desc, const void* data, const dnnl::memory::desc& wanted,
                        void* into = nullptr);
 
-// DEFORMABLE_DETR_ONEDNN_SLOWER_PASSES=1 keeps every pass and product on oneDNN's own kernel for it, where
-// the patches (a convolution's backward) or a 1 x 1 convolution (a product) would be taken for speed: for
-// bench/conv_backward.py to time both ways.
+// KERNELS_ONEDNN_SLOWER_PASSES=1 (onednn.h's set_slower_passes, when the module loads) keeps every pass and
+// product on oneDNN's own kernel for it, where the patches (a convolution's backward) or a 1 x 1 convolution (a
+// product) would be taken for speed: for bench/conv_backward.py to time both ways.
 bool keep_slower_passes();
 
 // A weight as a primitive reads it: `memory`, and `pages`, which hold a kept copy's buffer while it is used

@@ -24,6 +24,9 @@ struct AttentionSpec {
 // points); weights (B, Q, H, levels, points): float32, row-contiguous. -> (B, Q, H * C) float32.
 array ms_deform_attn(const array& value, const array& locations, const array& weights, const AttentionSpec& spec,
                      int threads);
+// The build ms_deform_attn runs in this process: 2 AVX-512, 1 AVX2, 0 the baseline (the CPU's widest, capped by
+// KERNELS_ATTENTION_ISA: attention_isa.h).
+int attention_isa();
 
 // cost (B, Q, T): the cost of each query of image b against every target of the batch, whose targets
 // are the consecutive runs of `sizes` (image b's: columns sizes[0] + ... + sizes[b - 1] onwards).
