@@ -7,7 +7,8 @@
 Whatever stops a command (the package's, a data generator's, a bench script's) becomes one line on
 stderr, `error: ...`, and an exit status:
 
-- 2, a usage error (`UsageError`): an argument, a config file, key or value is wrong;
+- 2, a usage error (`UsageError`): an argument, a config file, key or value, or an environment variable
+  (docs/settings.md, read as the command starts) is wrong;
 - 1, a failure of the work: a missing or unreadable file (weights, image, data), bad data, or
   anything else, whose type is then named. DEFORMABLE_DETR_TRACEBACK=1 adds the traceback;
 - a `CommandError` carries its own status (a training run stopped by a signal: 128 + its number).
@@ -30,8 +31,9 @@ import sys
 import traceback
 from pathlib import Path
 
+from .settings import ALL_SETTINGS, TRACEBACK
+
 DISTRIBUTION = "deformable-detr-mlx"
-TRACEBACK_VARIABLE = "DEFORMABLE_DETR_TRACEBACK"
 PACKAGE_DIR = Path(__file__).resolve().parent  # deformable_detr/: a checkout's pyproject.toml is beside it
 
 
@@ -85,13 +87,15 @@ def entry_point(main):
 
     @functools.wraps(main)
     def command(argv=None):
+        show_traceback = False
         try:
+            show_traceback = settings_read()
             return main(argv)
         except (SystemExit, KeyboardInterrupt):
             raise
         except Exception as error:  # noqa: BLE001  (the one place every command's errors end)
             message, status = one_line(error)
-            if os.environ.get(TRACEBACK_VARIABLE) == "1":
+            if show_traceback:
                 traceback.print_exc()
             if status == 1:
                 raise SystemExit(f"error: {message}") from None
@@ -101,6 +105,16 @@ def entry_point(main):
     return command
 
 
+def settings_read() -> bool:
+    """Every environment variable of the two packages (settings.py) read as a command starts, so that a bad value
+    is a usage error before any work. -> DEFORMABLE_DETR_TRACEBACK's value."""
+    try:
+        values = {setting.name: setting.value() for setting in ALL_SETTINGS}
+    except ValueError as bad:
+        raise UsageError(str(bad)) from None
+    return values[TRACEBACK.name]
+
+
 def one_line(error: Exception) -> tuple[str, int]:
     """-> (the message, the exit status) of what stopped a command."""
     if isinstance(error, CommandError):
@@ -108,7 +122,7 @@ def one_line(error: Exception) -> tuple[str, int]:
     elif isinstance(error, (FileNotFoundError, ValueError)) and str(error):
         message, status = str(error), 1
     else:
-        message, status = f"{type(error).__name__}: {error} (set {TRACEBACK_VARIABLE}=1 for the traceback)", 1
+        message, status = f"{type(error).__name__}: {error} (set {TRACEBACK.name}=1 for the traceback)", 1
     return " ".join(message.splitlines()), status
 
 

@@ -2,7 +2,7 @@
 imports): the same in a command, a script of your own, a notebook or an app.
 
 - BLAS: `kernels` loads OpenBLAS or MKL for MLX's matrix products in place of the reference BLAS of
-  MLX's Linux CPU wheel (kernels/blas.py; DEFORMABLE_DETR_BLAS chooses), or warns where MLX was
+  MLX's Linux CPU wheel (kernels/blas.py; KERNELS_BLAS chooses), or warns where MLX was
   imported first;
 - malloc: MLX's CPU back-end allocates a fresh buffer for every op's output, and glibc maps each large
   one anew and returns it on free, so every activation is page-faulted in again (23.5 M page faults in

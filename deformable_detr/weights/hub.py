@@ -12,6 +12,7 @@ from functools import cache
 from pathlib import Path
 
 from ..errors import UsageError
+from ..settings import CACHE
 from .conversion import convert, save_converted
 
 PREFIX = "hf://"
@@ -45,7 +46,7 @@ def hub_cache() -> Path:
 
 def converted_cache() -> Path:
     default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deformable-detr-mlx"
-    return Path(os.environ.get("DEFORMABLE_DETR_CACHE") or default)
+    return CACHE.value() or default
 
 
 def _fetch(reference: str, repo: str, revision, filename: str) -> Path:
