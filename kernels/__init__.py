@@ -1,11 +1,12 @@
-"""Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and
-`ms_deform_attn` (multi-scale deformable attention, Trainium kernel library signature); beside them
-`linear_assignment` (batched Hungarian matching as a lazy MLX operation), and `softmax`,
-`layer_norm`, `patches` (im2col), `bernoulli16` (random masks), `channel_affine` (a frozen batch
-norm with its residual and ReLU), `linear` (its bias rows), `sin_cos`, `masked_scale` (dropout) and
-`relu` on every CPU core; `onednn` (convolutions and matrix products on oneDNN, float32 and
-bfloat16, with their gradients); `bfloat16_products()` (whether bfloat16 is fast here, and why); and
-`export_mode()`, within which all of them are MLX ops that `mx.export_function` can write.
+"""Differentiable sampling cores: `grid_sample` (PyTorch semantics, channels-last) and `ms_deform_attn`
+(multi-scale deformable attention, Trainium kernel library signature); beside them `linear_assignment`
+(batched Hungarian matching as a lazy MLX operation), and `softmax`, `layer_norm`, `patches` (im2col),
+`bernoulli16` (random masks), `channel_affine` (a frozen batch norm with its residual and ReLU),
+`linear` (its bias rows), `sin_cos`, `masked_scale` (dropout) and `relu` on every CPU core; `onednn`
+(convolutions and matrix products on oneDNN, float32 and bfloat16, with their gradients);
+`bfloat16_products()` (whether bfloat16 is fast here, and why) and `bfloat16_rule()` (for which products
+it pays, measured); and `export_mode()`, within which all of them are MLX ops that `mx.export_function`
+can write.
 
 This package knows nothing of DETR. Importing it first sets up the BLAS under MLX's matrix products
 (`blas.py`): import it (or deformable_detr) before mlx."""
@@ -26,7 +27,7 @@ from .linear import linear
 from .masked_scale import masked_scale, relu, scale_where_positive
 from .ms_deform_attn import BACKENDS, ms_deform_attn
 from .patches import patches
-from .precision import bfloat16_products
+from .precision import bfloat16_products, bfloat16_rule
 from .sin_cos import sin_cos
 from .softmax import softmax
 
@@ -35,6 +36,7 @@ __all__ = [
     "available_backends",
     "bernoulli16",
     "bfloat16_products",
+    "bfloat16_rule",
     "channel_affine",
     "export_mode",
     "exporting",

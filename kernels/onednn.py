@@ -132,19 +132,20 @@ def _usable(*arrays):
     return extension
 
 
-_products = ContextVar("kernels_onednn_products", default=(mx.float32, None))
+_products = ContextVar("kernels_onednn_products", default=(mx.float32, None, None))
 
 
 @contextmanager
-def products_in(dtype, kept=None):
+def products_in(dtype, kept=None, rule=None):
     """Inside, `conv2d` and `linear` of float32 operands run their products in `dtype` (bfloat16 or
     float32), their results still float32; read when an operation is built (as `export_mode`). `kept`:
     a model's KeptWeights (`kept_weights()`), where the copies of its weights oneDNN's kernels need (a
     convolution's weight in its blocked layout, a bfloat16 copy) are kept instead of made at every call;
-    None: as outside."""
+    None: as outside. `rule` (a kernels.precision.BfloatRule, `auto`'s): with bfloat16, only the products
+    it says pay run in bfloat16, the others float32; None: every product in `dtype`."""
     if dtype not in (mx.float32, mx.bfloat16):
         raise ValueError(f"products_in: bfloat16 or float32, not {dtype}")
-    token = _products.set((dtype, _products.get()[1] if kept is None else kept))
+    token = _products.set((dtype, _products.get()[1] if kept is None else kept, rule))
     try:
         yield
     finally:
@@ -169,8 +170,8 @@ def conv2d(x: mx.array, weight: mx.array, stride: int = 1, padding: int = 0, dil
     extension = _usable(x, weight)
     if extension is None:
         return None
-    dtype, kept = _products.get()
-    return extension.conv2d(x, weight, stride, padding, dilation, dtype == mx.bfloat16, kept, threads())
+    bfloat16, kept = _in_bfloat16("conv", x.shape, weight.shape, stride, padding, dilation)
+    return extension.conv2d(x, weight, stride, padding, dilation, bfloat16, kept, threads())
 
 
 def linear(x: mx.array, weight: mx.array, bias=None):
@@ -181,10 +182,33 @@ def linear(x: mx.array, weight: mx.array, bias=None):
     extension = _usable(*operands)
     if extension is None or x.ndim == 0 or (bias is not None and bias.ndim != 1):
         return None
-    dtype, kept = _products.get()
+    bfloat16, kept = _in_bfloat16("linear", x.shape, weight.shape)
     flat = x.reshape(-1, x.shape[-1])
-    y = extension.product(flat, weight, bias, False, True, dtype == mx.bfloat16, kept, threads())
+    y = extension.product(flat, weight, bias, False, True, bfloat16, kept, threads())
     return None if y is None else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _in_bfloat16(kind: str, x_shape, w_shape, *geometry) -> tuple[bool, object]:
+    """(whether this product runs in bfloat16 where products_in asks, the KeptWeights it asks for)."""
+    dtype, kept, rule = _products.get()
+    if dtype != mx.bfloat16 or rule is None:
+        return dtype == mx.bfloat16, kept
+    return rule.pays(*work(kind, x_shape, w_shape, *geometry)), kept
+
+
+def work(kind: str, x_shape, w_shape, stride: int = 1, padding: int = 0, dilation: int = 1) -> tuple[int, int]:
+    """(multiply-adds, the reduction's length) of a convolution (x (N, H, W, C), w (O, k, k, C)) or a product
+    (x (..., K), w (N, K))."""
+    if kind == "linear":
+        rows = 1
+        for side in x_shape[:-1]:
+            rows *= side
+        return rows * x_shape[-1] * w_shape[0], x_shape[-1]
+    n, h, w, c = x_shape
+    o, k = w_shape[0], w_shape[1]
+    out_h = (h + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+    out_w = (w + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+    return n * out_h * out_w * o * k * k * c, k * k * c
 
 
 def caches() -> dict:

@@ -14,7 +14,9 @@ from deformable_detr.data.loader import collate
 from deformable_detr.data.transforms import normalize, resize
 from deformable_detr.errors import UsageError
 from deformable_detr.models import post_process
+from deformable_detr.models.precision import Precision, resolve_precision
 from deformable_detr.predict import main as predict_main
+from kernels.precision import BfloatRule
 
 import mlx.core as mx
 import numpy as np
@@ -224,6 +226,30 @@ def test_bfloat16_products_keep_the_float32_detections(trained, detector, capsys
     assert written["precision"] == stats["precision"] == narrow.precision.to_json()
     assert written["precision"]["ran"] == ("bfloat16" if fast else "float32")
     assert f"precision: {said}" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    not kernels.bfloat16_products()[0], reason=f"bfloat16 runs float32 here: {kernels.bfloat16_products()[1]}"
+)
+def test_the_attention_view_at_auto_is_float32s_and_bfloat16s_only_when_asked(trained, detector):  # noqa: F811
+    """Where the model looks is shown as float32 computes it at `auto` (its sampling points the float32
+    detector's, bit for bit), while auto's detections without the view take its bfloat16 products; asked for,
+    bfloat16 moves the points (models/precision.py: up to 4.2 px at 800 x 1066). The auto here runs every
+    product in bfloat16 (a rule for which every size pays), so that the two differ wherever bfloat16 does."""
+    root, output = trained
+    image = sorted((root / "val2017").iterdir())[0]
+    every = BfloatRule(0, 0, "every product")
+    auto = Detector(
+        detector.model, detector.cfg, detector.class_names, precision=Precision("bfloat16", "auto", "a test's", every)
+    )
+    asked = Detector(detector.model, detector.cfg, detector.class_names, precision=resolve_precision("bfloat16"))
+    [wide] = detector.predict(image, threshold=0.0, attention=True)
+    [seen] = auto.predict(image, threshold=0.0, attention=True)
+    [narrow] = asked.predict(image, threshold=0.0, attention=True)
+    assert all(np.array_equal(seen.attention[k], wide.attention[k]) for k in wide.attention)
+    assert not np.array_equal(narrow.attention["points"], wide.attention["points"])
+    [plain] = auto.predict(image, threshold=0.0)  # no view: auto's bfloat16, as asked's
+    assert np.array_equal(plain.boxes, narrow.boxes) and not np.array_equal(plain.boxes, wide.boxes)
 
 
 def test_precision_is_checked_before_the_weights_are_read(tmp_path):

@@ -15,7 +15,8 @@ import threading
 
 import kernels
 from deformable_detr.models.precision import Precision, check_training_precision, resolve_precision
-from kernels import onednn
+from kernels import onednn, precision
+from kernels.precision import BfloatRule
 
 import mlx.core as mx
 import numpy as np
@@ -195,7 +196,13 @@ def test_switched_off_by_its_variable_silently():
 def test_precision_resolves_once_from_whether_bfloat16_products_are_fast(monkeypatch):
     monkeypatch.setattr(onednn, "bfloat16_kernels", lambda: None)
     monkeypatch.setattr(onednn, "bfloat16_instructions", lambda: ["avx512_bf16"])
-    assert resolve_precision("auto") == Precision("bfloat16", "auto", "auto: this CPU has avx512_bf16 (oneDNN)")
+    rule = BfloatRule(17_000_000, None, "measured")  # where bfloat16 pays (a test below measures it)
+    monkeypatch.setattr(kernels, "bfloat16_rule", lambda: rule)
+    said = f"auto: {rule}; this CPU has avx512_bf16 (oneDNN)"
+    assert resolve_precision("auto") == Precision("bfloat16", "auto", said, rule)
+    monkeypatch.setattr(kernels, "bfloat16_rule", lambda: BfloatRule(None, None, "measured"))
+    never = "auto: bfloat16 products measured no faster than float32 here at any size"
+    assert resolve_precision("auto") == Precision("float32", "auto", never)
     assert resolve_precision("bfloat16") == Precision(
         "bfloat16", "bfloat16", "asked for: this CPU has avx512_bf16 (oneDNN)"
     )
@@ -218,6 +225,53 @@ def test_precision_resolves_once_from_whether_bfloat16_products_are_fast(monkeyp
     said = f"inference's bfloat16 products are oneDNN's: on {gpu} it is float32"
     assert resolve_precision("bfloat16") == Precision("float32", "bfloat16", f"bfloat16 asked for, but {said}")
     assert check_training_precision("bfloat16", even_if_slow=False) is None  # training casts its weights there
+
+
+def test_bfloat16_pays_from_the_smallest_rung_from_which_every_rung_pays(monkeypatch):
+    """bfloat16_rule's reading of its ladders' ratios (float32's time over bfloat16's; each ladder's rungs
+    growing): a threshold where that rung and every larger one reach PAYS, the wide reductions' the larger of
+    their ladders', none where the largest rung does not pay; a shape oneDNN refuses pays nothing."""
+    ratios = {  # by ladder: a dip at rung 1 (noise, or a layout), growing after it
+        "3 x 3 convolution of 64 channels": [1.2, 0.9, 1.5, 3.0],
+        "product 256 -> 256": [0.9, 1.3, 2.0, 2.5],
+        "1 x 1 convolution 32 -> 128": [0.6, 0.8, 1.05, 1.2],
+    }
+    calls, timed = iter([r for name, _, _ in precision.LADDERS for r in ratios[name]]), precision._ratio
+    monkeypatch.setattr(precision, "_ratio", lambda *rung: next(calls))
+    monkeypatch.setattr(precision, "bfloat16_products", lambda: (True, "measured"))
+    precision.bfloat16_rule.cache_clear()
+    try:
+        rule = precision.bfloat16_rule()
+        conv_sizes = [onednn.work("conv", x, w, 1, 1)[0] for _, x, w in precision.LADDERS[0][2]]
+        narrow_sizes = [onednn.work("conv", x, w)[0] for _, x, w in precision.LADDERS[2][2]]
+        assert (rule.wide, rule.narrow) == (conv_sizes[2], narrow_sizes[3])  # 37.7 M over the product's 16.8 M
+        assert rule.pays(conv_sizes[2], 576) and not rule.pays(conv_sizes[2] - 1, 576)
+        assert rule.pays(narrow_sizes[3], 32) and not rule.pays(narrow_sizes[3] - 1, 32)
+        calls = iter([0.9] * 12)  # nowhere: float32 throughout
+        assert precision.bfloat16_rule.__wrapped__().never
+    finally:
+        precision.bfloat16_rule.cache_clear()
+    assert timed("conv", (1, 2, 2, 3), (8, 7, 7, 3), onednn.kept_weights()) >= 0  # refused (0) or timed
+
+
+@needs_bfloat16
+def test_under_a_rule_each_product_runs_in_the_precision_its_size_pays_for(rng):
+    """products_in(bfloat16, rule=...): a product the rule says pays is bfloat16's (the operands rounded), one it
+    does not is float32's, bit for bit; and a weight whose products run in both keeps one copy of each (so that
+    neither is made again when the size changes), counted by the store."""
+    w = mx.array(rng.standard_normal((64, 3, 3, 64)).astype(np.float32))
+    small, large = (mx.array(rng.standard_normal((1, s, s, 64)).astype(np.float32)) for s in (6, 20))
+    rule = BfloatRule(onednn.work("conv", large.shape, w.shape, 1, 1)[0], None, "a test's")
+    assert not rule.pays(*onednn.work("conv", small.shape, w.shape, 1, 1))
+    kept = onednn.kept_weights()
+    with onednn.products_in(mx.float32):
+        want_small = onednn.conv2d(small, w, 1, 1)
+    for _ in range(2):
+        with onednn.products_in(mx.bfloat16, kept, rule):
+            got_small, got_large = onednn.conv2d(small, w, 1, 1), onednn.conv2d(large, w, 1, 1)
+        assert np.array_equal(np.array(got_small), np.array(want_small))  # float32's
+        assert_close(got_large, mx.conv2d(rounded(large), rounded(w), 1, 1), 1e-5)  # bfloat16's
+        assert kept.count == 2  # the weight in float32's layout and in bfloat16's
 
 
 def test_bfloat16_is_fast_only_with_the_instructions_oneDNN_may_use():

@@ -71,9 +71,10 @@ def add_precision(parser, default: str):
         choices=INFERENCE_PRECISIONS,
         default=default,
         action=Asked,
-        help=f"the products' precision (default {default}): auto is bfloat16 where its products are fast (a CPU "
-        "with AMX or AVX512-BF16, through oneDNN; a GPU), float32 elsewhere; bfloat16 where they are not fast "
-        "runs float32, and the precision line says why",
+        help=f"the products' precision (default {default}): auto runs in bfloat16 the products where it was "
+        "measured faster on this CPU (oneDNN's AMX or AVX512-BF16 kernels), the rest in float32, and float32 "
+        "throughout elsewhere, a GPU included; bfloat16 runs every product in bfloat16 where oneDNN has those "
+        "kernels, float32 elsewhere; the precision line says what ran and why",
     )
 
 

@@ -26,6 +26,7 @@ N slices a forward, merged in the image's pixels, for objects too small at the m
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -225,6 +226,8 @@ def main(argv=None):
         check_video_arguments(videos, args)
     images = readable_images(images, args.skip_unreadable, args.encoder_pixel)
     detector = load_detector(args, cfg)
+    if (args.attention or args.encoder_pixel is not None) and detector.precision.asked == "auto":
+        print("the attention view: float32 (auto: where the model looks as float32 computes it)", file=sys.stderr)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     if images:
         predict_images(detector, images, args, layers)

@@ -139,9 +139,9 @@ class Predictions(list):
 class Detector:
     """A model in evaluation mode, its `cfg`, its `class_names` ({category id: name}) and the precision
     its products run in: `precision`, a models.precision.Precision (what ran, what was asked, why),
-    float32 unless given; `Detector.load(precision="auto")` is bfloat16 where bfloat16 products are fast
-    (a CPU with AMX or AVX512-BF16 through oneDNN, a GPU), float32 elsewhere. The weights stay float32
-    either way (an export writes them as they are)."""
+    float32 unless given; `Detector.load(precision="auto")` runs in bfloat16 the products where bfloat16 was
+    measured faster on this CPU (oneDNN's AMX or AVX512-BF16 kernels) and the rest in float32, float32
+    throughout elsewhere (a GPU too). The weights stay float32 either way (an export writes them as they are)."""
 
     def __init__(self, model, cfg: Config, class_names: dict, source=None, precision: Precision | None = None):
         self.model, self.cfg, self.class_names, self.source = model, cfg, class_names, source
@@ -149,10 +149,14 @@ class Detector:
         self.kept_weights = kernels.onednn.kept_weights()  # the weights do not change here: their copies kept
         model.eval()
 
-    def products(self):
-        """The context the forwards run in: the products in `precision`, the copies of the weights
-        oneDNN's kernels need kept in `kept_weights` (kernels.onednn.products_in)."""
-        return kernels.onednn.products_in(self.precision.dtype, kept=self.kept_weights)
+    def products(self, looking: bool = False):
+        """The context the forwards run in: the products in `precision` (at `auto`, those its rule says
+        pay), the copies of the weights oneDNN's kernels need kept in `kept_weights`
+        (kernels.onednn.products_in). `looking`: a forward that records where the model looks (the
+        attention view), float32 at `auto` (models/precision.py says why)."""
+        if looking and self.precision.asked == "auto":
+            return kernels.onednn.products_in(mx.float32, kept=self.kept_weights)
+        return kernels.onednn.products_in(self.precision.dtype, kept=self.kept_weights, rule=self.precision.rule)
 
     @staticmethod
     def config_for(weights, config=None, overrides=()) -> Config:
@@ -281,7 +285,7 @@ class Detector:
         asked = decoder_layer is not None or encoder_layer is not None
         with (
             recording(self.model, decoder_layer, encoder_layer) if asked else contextlib.nullcontext({}) as recorders,
-            self.products(),
+            self.products(looking=asked),
         ):
             outputs = self.model(mx.array(pixels), mx.array(mask))
         results = post_process(outputs, [[image.height, image.width] for image in images])

@@ -1,20 +1,24 @@
-"""The normalisations, which compute in float32 whatever the precision (`LayerNorm`, `GroupNorm`, the
-backbone's `FrozenBatchNorm2d`), and mixed precision (`train.precision: bfloat16`): the weights stay
-float32 (so do AdamW's moments); in the forward, every weight but the normalisations' is used as a
-bfloat16 copy (`computing_in`), so
-convolutions, linears and the attention's values compute in bfloat16, while the normalisations
-(`LayerNorm`, `GroupNorm`, frozen batch norm), the softmaxes, the sampling locations and the
-attention core's accumulation compute in float32; the outputs go to the losses and the matching in
-float32. The gradients reach the float32 weights through the copies. Evaluation and prediction run
-in float32. In float32 every cast here is skipped: the model is exactly the one without it.
+"""Precision: the normalisations, which compute in float32 whatever the precision (`LayerNorm`, `GroupNorm`,
+the backbone's `FrozenBatchNorm2d`); mixed-precision training; and the precision inference's products run in.
 
-Inference (`--precision auto | float32 | bfloat16`, `Detector.load(precision=)`): `resolve_precision`
-decides, once, what runs and why (bfloat16 only where its products are fast); a bfloat16 forward then
-runs inside `kernels.onednn.products_in(mx.bfloat16)`: the
-convolutions' and linears' products run in bfloat16 on oneDNN with float32 operands and results (but
-the class and box heads', `float32_heads`), while everything between them (the normalisations,
-softmaxes, the attention core and its sampling locations, the boxes and the postprocess) stays
-float32."""
+Training (`train.precision: bfloat16`): the weights stay float32 (so do AdamW's moments); in the forward,
+every weight but the normalisations' is used as a bfloat16 copy (`computing_in`), so convolutions, linears
+and the attention's values compute in bfloat16, while the normalisations, the softmaxes, the sampling
+locations and the attention core's accumulation compute in float32; the outputs go to the losses and the
+matching in float32. The gradients reach the float32 weights through the copies. In float32 every cast here
+is skipped: the model is exactly the one without it. Evaluation during training runs in float32.
+
+Inference (`--precision auto | float32 | bfloat16`, `Detector.load(precision=)`; eval.py float32 unless
+asked): `resolve_precision` decides, once, what runs and why. bfloat16 is oneDNN's, on the CPU only: the
+forward runs inside `kernels.onednn.products_in(mx.bfloat16)`, the convolutions' and linears' products in
+bfloat16 with float32 operands and results (but the class and box heads', `float32_heads`), while
+everything between them (the normalisations, softmaxes, the attention core and its sampling locations,
+the boxes and the postprocess) stays float32. On a GPU every precision runs float32 (MLX's bfloat16 there
+is not reached by products_in). `auto` runs bfloat16 only for the products where it pays on this CPU
+(kernels.precision.bfloat16_rule, measured once a process: a product must be large enough, and where
+bfloat16 kernels are slower than float32 ones, none is): small images and small models stay float32. The
+attention view (`predict --attention`) at `auto` runs float32: it shows where the model looks as float32
+computes it (bfloat16 moved the points up to 4.2 px at 800 x 1066 on a Zen 4), bfloat16 only when asked."""
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -120,6 +124,8 @@ class Precision:
     ran: str = "float32"
     asked: str = "float32"
     reason: str = "the default"
+    # `auto`'s kernels.precision.BfloatRule where bfloat16 ran: only the products it says pay run in bfloat16
+    rule: object = None
 
     def __str__(self) -> str:
         return f"{self.ran} ({self.reason})"
@@ -137,15 +143,17 @@ class Precision:
         return DTYPES[self.ran]
 
     def to_json(self) -> dict:
-        return {"ran": self.ran, "asked": self.asked, "reason": self.reason}
+        said = {"ran": self.ran, "asked": self.asked, "reason": self.reason}
+        return said if self.rule is None else {**said, "measured": self.rule.measured}
 
 
 def resolve_precision(asked: str) -> Precision:
-    """What runs for `asked` (one of INFERENCE_PRECISIONS), and why: bfloat16 products only where they
-    are fast (`kernels.bfloat16_products`: oneDNN with AMX or AVX512-BF16) and reached (inference's
-    bfloat16 is oneDNN's: on a GPU the forward is float32); `auto` is bfloat16 there and float32
-    elsewhere; `bfloat16` elsewhere runs float32, the reason saying so (bfloat16 products there would be
-    slower than float32, or are not there)."""
+    """What runs for `asked` (one of INFERENCE_PRECISIONS), and why: bfloat16 products only where oneDNN
+    has bfloat16 kernels (`kernels.bfloat16_products`: AMX or AVX512-BF16) and reaches them (on a GPU the
+    forward is float32); there `auto` runs bfloat16 for the products where it pays (the precision's `rule`,
+    `kernels.bfloat16_rule`, measured here), float32 for the rest, and float32 throughout where it pays for
+    none; `bfloat16` runs every product in bfloat16 there, float32 elsewhere, the reason saying so
+    (bfloat16 products there would be slower than float32, or are not there)."""
     if asked not in INFERENCE_PRECISIONS:
         raise ValueError(f"precision {asked!r}: expected one of {', '.join(INFERENCE_PRECISIONS)}")
     if asked == "float32":
@@ -154,7 +162,10 @@ def resolve_precision(asked: str) -> Precision:
     if fast and mx.default_device().type != mx.cpu:  # products_in reaches oneDNN's products only
         fast, why = False, f"inference's bfloat16 products are oneDNN's: on {mx.default_device()} it is float32"
     if asked == "auto":
-        return Precision("bfloat16" if fast else "float32", asked, f"auto: {why}")
+        rule = kernels.bfloat16_rule() if fast else None
+        if rule is None or rule.never:
+            return Precision("float32", asked, f"auto: {why if rule is None else rule}")
+        return Precision("bfloat16", asked, f"auto: {rule}; {why}", rule)
     if fast:
         return Precision("bfloat16", asked, f"asked for: {why}")
     return Precision("float32", asked, f"bfloat16 asked for, but {why}")

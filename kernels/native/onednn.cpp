@@ -162,15 +162,15 @@ std::shared_ptr<void> own_pages(size_t bytes) {
 
 }  // namespace
 
-// Weights in the layout and dtype a primitive wants, by the weight's buffer (where in it, and how it lies
-// there: a slice of a larger weight, as MultiheadAttention's thirds of in_proj_weight, is a weight of its
-// own): a model's store (KeptWeights), one copy of each weight, at most `capacity` bytes of copies, the least
-// recently used out first, and a copy whose weight is gone (held by nothing but the store) out at the next
-// copy made. One copy, not one for each layout asked: on AVX2 oneDNN's brgconv blocks a weight's output
-// channels by 16, 24 or 32 as the image's width suits, so a model meeting many sizes would keep up to
-// three copies of each weight (measured as AVX2 over 300 sizes: 40 -> 46 copies, 24 -> 32 MiB, after
-// the tenth size); a weight wanted in another layout is reordered once more (a weight's bytes, against
-// its convolution's work on a whole image) and that copy replaces the other.
+// Weights in the layout and dtype a primitive wants, by the weight's buffer (where in it, and how it lies there:
+// a slice of a larger weight, as MultiheadAttention's thirds of in_proj_weight, is a weight of its own): a
+// model's store (KeptWeights), one copy of each weight in each dtype asked, at most `capacity` bytes of copies,
+// the least recently used out first, and a copy whose weight is gone (held by nothing but the store) out at the
+// next copy made. One copy a dtype, not one for each layout asked: on AVX2 oneDNN's brgconv blocks a weight's
+// output channels by 16, 24 or 32 as the image's width suits, so a model meeting many sizes would keep up to
+// three copies of each weight (measured as AVX2 over 300 sizes: 40 -> 46 copies, 24 -> 32 MiB, after the tenth
+// size); a weight wanted in another layout is reordered once more (a weight's bytes, against its convolution's
+// work on a whole image) and that copy replaces the other.
 class WeightCopies {
  public:
   explicit WeightCopies(size_t capacity) : capacity_(capacity) {}
@@ -192,10 +192,13 @@ class WeightCopies {
     const Weight copy{as_wanted(plain, data, wanted, pages.get()), pages};
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto entry = order_.begin(); entry != order_.end();) {
-      // Its copy in another layout: replaced. A copy whose weight is held by nothing but this store (the
-      // array is gone: a temporary, a model's weight replaced): no call can ask for it again, so it goes now,
-      // with the buffer it held, rather than when the capacity pushes it out.
-      if (entry->is(source, data, plain) || entry->source.use_count() == 1) {
+      // Its copy in another layout of the same dtype: replaced (a float32 and a bfloat16 copy both stay: at
+      // `auto` a weight's products may run in either as the image's size asks, kernels/precision.py, and
+      // replacing would reorder the weight at every change). A copy whose weight is held by nothing but this
+      // store (the array is gone: a temporary, a model's weight replaced): no call can ask for it again, so it
+      // goes now, with the buffer it held, rather than when the capacity pushes it out.
+      const bool same_dtype = entry->copy.memory.get_desc().get_data_type() == wanted.get_data_type();
+      if ((entry->is(source, data, plain) && same_dtype) || entry->source.use_count() == 1) {
         bytes_ -= entry->bytes;
         entry = order_.erase(entry);  // a Primitive evaluating with it holds its pages
       } else {

@@ -139,7 +139,8 @@ std::shared_ptr<ConvPlan> conv_plan(const ConvShape& s) {
           s.w_any(), s.y_plain(s.x_type), s.strides(), s.dilates(), s.pads(), s.pads(), attributes());
       plan->refused = refusal(plan->forward_pd, "this convolution", true);
       if (plan->refused.empty()) plan->forward = dnnl::convolution_forward(plan->forward_pd);
-      plan->lasting = plan->refused.empty() && std::string(plan->forward_pd.impl_info_str()).find("amx") != std::string::npos;
+      const std::string kernel = plan->forward_pd.impl_info_str();
+      plan->lasting = plan->refused.empty() && kernel.find("amx") != std::string::npos;
     } catch (const std::exception& error) {  // dnnl::error: no implementation at all (bfloat16 on AVX2)
       plan->refused = error.what();
     }
