@@ -201,7 +201,7 @@ def test_precision_resolves_once_from_whether_bfloat16_products_are_fast(monkeyp
     said = f"auto: {rule}; this CPU has avx512_bf16 (oneDNN)"
     assert resolve_precision("auto") == Precision("bfloat16", "auto", said, rule)
     monkeypatch.setattr(kernels, "bfloat16_rule", lambda: BfloatRule(None, None, "measured"))
-    never = "auto: bfloat16 products measured no faster than float32 here at any size"
+    never = f"auto: bfloat16 products measured under {precision.PAYS}x float32's speed here at every size"
     assert resolve_precision("auto") == Precision("float32", "auto", never)
     assert resolve_precision("bfloat16") == Precision(
         "bfloat16", "bfloat16", "asked for: this CPU has avx512_bf16 (oneDNN)"
@@ -231,10 +231,11 @@ def test_bfloat16_pays_from_the_smallest_rung_from_which_every_rung_pays(monkeyp
     """bfloat16_rule's reading of its ladders' ratios (float32's time over bfloat16's; each ladder's rungs
     growing): a threshold where that rung and every larger one reach PAYS, the wide reductions' the larger of
     their ladders', none where the largest rung does not pay; a shape oneDNN refuses pays nothing."""
+    pays = precision.PAYS
     ratios = {  # by ladder: a dip at rung 1 (noise, or a layout), growing after it
-        "3 x 3 convolution of 64 channels": [1.2, 0.9, 1.5, 3.0],
-        "product 256 -> 256": [0.9, 1.3, 2.0, 2.5],
-        "1 x 1 convolution 32 -> 128": [0.6, 0.8, 1.05, 1.2],
+        "3 x 3 convolution of 64 channels": [pays + 0.1, pays - 0.6, pays, 2 * pays],
+        "product 256 -> 256": [pays - 0.6, pays + 0.2, pays + 0.5, pays + 1],
+        "1 x 1 convolution 32 -> 128": [0.6, 0.8, pays - 0.05, pays + 0.1],
     }
     calls, timed = iter([r for name, _, _ in precision.LADDERS for r in ratios[name]]), precision._ratio
     monkeypatch.setattr(precision, "_ratio", lambda *rung: next(calls))
