@@ -13,9 +13,11 @@ forward batch (`/v1/stats`), and the server's resident memory after its warm-up 
 (no growth: what a request leaves behind would show here)."""
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,18 +53,31 @@ def resident_mib(pid: int) -> float:
     return float("nan")
 
 
-def start_server(checkpoint: Path, port: int, options: list) -> subprocess.Popen:
-    command = [sys.executable, "-m", "deformable_detr.serve", "--checkpoint", str(checkpoint), "--port", str(port)]
-    server = subprocess.Popen([*command, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_server(checkpoint: Path, port: int, options: list, tree: Path = ROOT) -> tuple[subprocess.Popen, list]:
+    """`python -m deformable_detr.serve` of `tree`'s code (run from that folder, which puts it first on the path:
+    another checkout, to measure the code before a change) with `options`, once it answers; and the lines it
+    prints (stdout and stderr, a list that grows as it prints)."""
+    command = [sys.executable, "-m", "deformable_detr.serve", "--checkpoint", str(checkpoint.resolve())]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    server = subprocess.Popen(
+        [*command, "--port", str(port), *options],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    printed = []
+    threading.Thread(target=lambda: printed.extend(server.stdout), daemon=True).start()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return server
+                return server, printed
         except httpx.HTTPError:
             time.sleep(0.5)
     server.kill()
-    sys.exit("error: the server did not become ready in 5 minutes")
+    sys.exit("error: the server did not become ready in 5 minutes:\n" + "".join(printed[-20:]))
 
 
 def load(url: str, bodies: list[bytes], requests: int, clients: int) -> tuple[float, list[float]]:
@@ -115,7 +130,7 @@ def main(argv=None):
         "",
     ]
     for mode, options in MODES.items():
-        server = start_server(args.checkpoint, args.port, options)
+        server, _ = start_server(args.checkpoint, args.port, options)
         url = f"http://127.0.0.1:{args.port}"
         try:
             lines += [

@@ -16,7 +16,6 @@ round is what a server that keeps nothing per request shows."""
 
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, load_average, report  # noqa: E402
-from serve import resident_mib  # noqa: E402
+from serve import resident_mib, start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,27 +48,6 @@ def parse_args(argv=None):
     if len(args.tree_name) != len(args.tree):
         parser.error("give one --tree-name for each --tree")
     return args
-
-
-def start_server(tree: Path, checkpoint: Path, precision: str, port: int) -> tuple[subprocess.Popen, str]:
-    """The server of `tree`'s code (run from that folder, which puts it first on the path), ready; and the
-    precision line it printed."""
-    command = [sys.executable, "-m", "deformable_detr.serve", "--checkpoint", str(checkpoint.resolve())]
-    command += ["--precision", precision, "--port", str(port)]
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    server = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True).start()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                said = next((line.strip() for line in lines if "precision" in line), "precision: (not printed)")
-                return server, said
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    server.kill()
-    sys.exit("error: the server did not become ready in 5 minutes:\n" + "".join(lines[-20:]))
 
 
 def one_round(url: str, bodies: list[bytes], clients: int, seconds: float) -> tuple[float, list[float]]:
@@ -134,7 +112,8 @@ def main(argv=None):
     url = f"http://127.0.0.1:{args.port}"
     for name, tree in trees:
         for precision in args.precisions.split(","):
-            server, said = start_server(tree, args.checkpoint, precision, args.port)
+            server, printed = start_server(args.checkpoint, args.port, ["--precision", precision], tree)
+            said = next((line.strip() for line in printed if "precision" in line), "precision: (not printed)")
             print(f"## {name}, --precision {precision}: {said}", flush=True)
             try:
                 lines += [f"## {name}, --precision {precision}", "", f"the server: {said}", ""]
