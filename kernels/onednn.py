@@ -31,9 +31,9 @@ exported file holds MLX ops), where the extension or the library is missing (one
 on x86-64 Linux, where it is expected), or with KERNELS_ONEDNN=0: `conv2d` and `linear` answer
 None and the caller computes as before, the same answers up to float32 rounding. They also answer None
 for a shape where oneDNN has only its reference loops or its im2col + GEMM (bfloat16 on AVX2, a 7 x 7 stem
-on a one-pixel-wide image), remembered per shape: the caller's own fast path computes it
-(models/backbone.py's patches). Where only a backward pass is refused (on AVX2 a strided 1 x 1 of an odd
-size, a dilated 3 x 3), the forward stays oneDNN's and the VJP takes the patches' way, in C++.
+on a one-pixel-wide image), remembered per shape: the caller's own fast path computes it (the patches, as
+deformable_detr/models/convolution.py takes them). Where only a backward pass is refused (on AVX2 a strided 1 x 1
+of an odd size, a dilated 3 x 3), the forward stays oneDNN's and the VJP takes the patches' way, in C++.
 
 The library: PyPI's `onednn-cpu-gomp` 2023.2.0 (oneDNN 3.2, CPU only, on GNU OpenMP; 39 MB to download),
 a dependency on x86-64 Linux (pyproject.toml says why not the 2026 wheel). Its OpenMP threads are
@@ -166,7 +166,7 @@ def conv2d(x: mx.array, weight: mx.array, stride: int = 1, padding: int = 0, dil
     differentiable w.r.t. both, in x's dtype; or None where oneDNN is not used (see the module) or has
     no fast kernel for this shape (remembered per shape): the caller then computes it its own way. Where
     it has a fast forward but no fast backward pass, the gradients are the patches' (im2col and col2im
-    on every core, as models/backbone.py's own convolution takes them)."""
+    on every core, as deformable_detr/models/convolution.py's takes them)."""
     extension = _usable(x, weight)
     if extension is None:
         return None

@@ -49,7 +49,7 @@ struct ConvShape {
 };
 
 // Why a backward pass goes to the patches (im2col / col2im on every core and OpenBLAS's products, as
-// models/backbone.py's own convolution) rather than oneDNN's `kernel` for it, or "": oneDNN 3.2's older
+// deformable_detr/models/convolution.py's) rather than oneDNN's `kernel` for it, or "": oneDNN 3.2's older
 // direct JIT kernels lose to them on AVX2 for both passes (weights 1.3-6.7x, a strided convolution's data
 // up to 8x, R50's shapes) and on any ISA for a strided 1 x 1 (1.2-1.6x); its brgemm kernels do not
 // (bench/conv_backward.py; bench/results/cpu/*/conv_backward_cpu.txt). Float32 only: the patches have no
@@ -238,7 +238,7 @@ class Conv : public mx::UnaryPrimitive {
 
   const char* name() const override { return "KernelsOnednnConv"; }
 
-  // A gradient as models/backbone.py's patches convolution takes it (float32), on every core: the
+  // A gradient as deformable_detr/models/convolution.py's patches take it (float32), on every core: the
   // weight's (arg 1), the cotangent times the input's patches (im2col); the input's (arg 0), the transpose
   // of patches (col2im) of the cotangent times the weight. For a pass oneDNN has no fast or right kernel
   // for, or one the patches beat (ConvPlan).
