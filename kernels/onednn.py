@@ -197,18 +197,20 @@ def _in_bfloat16(kind: str, x_shape, w_shape, *geometry) -> tuple[bool, object]:
 
 
 def work(kind: str, x_shape, w_shape, stride: int = 1, padding: int = 0, dilation: int = 1) -> tuple[int, int]:
-    """(multiply-adds, the reduction's length) of a convolution (x (N, H, W, C), w (O, k, k, C)) or a product
-    (x (..., K), w (N, K))."""
+    """(multiply-adds for one item of the batch, the reduction's length) of a convolution (x (N, H, W, C), w (O,
+    k, k, C): an image) or a product (x (..., K), w (N, K): a row of a 2-D x, the leading dimension's item of more).
+    An item's, not the batch's: a rule deciding by it (`products_in`) gives a product the same precision whatever
+    the batch, so that batching changes no answer beyond float32's last bits (the server's batches)."""
     if kind == "linear":
         rows = 1
-        for side in x_shape[:-1]:
+        for side in x_shape[1:-1] if len(x_shape) > 2 else x_shape[:1]:
             rows *= side
         return rows * x_shape[-1] * w_shape[0], x_shape[-1]
-    n, h, w, c = x_shape
+    _, h, w, c = x_shape
     o, k = w_shape[0], w_shape[1]
     out_h = (h + 2 * padding - dilation * (k - 1) - 1) // stride + 1
     out_w = (w + 2 * padding - dilation * (k - 1) - 1) // stride + 1
-    return n * out_h * out_w * o * k * k * c, k * k * c
+    return out_h * out_w * o * k * k * c, k * k * c
 
 
 def caches() -> dict:

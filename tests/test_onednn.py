@@ -258,8 +258,9 @@ def test_bfloat16_pays_from_the_smallest_rung_from_which_every_rung_pays(monkeyp
 @needs_bfloat16
 def test_under_a_rule_each_product_runs_in_the_precision_its_size_pays_for(rng):
     """products_in(bfloat16, rule=...): a product the rule says pays is bfloat16's (the operands rounded), one it
-    does not is float32's, bit for bit; and a weight whose products run in both keeps one copy of each (so that
-    neither is made again when the size changes), counted by the store."""
+    does not is float32's, bit for bit, whatever the batch (the rule weighs one image: a server's batch answers
+    as each image alone); and a weight whose products run in both keeps one copy of each (so that neither is
+    made again when the size changes), counted by the store."""
     w = mx.array(rng.standard_normal((64, 3, 3, 64)).astype(np.float32))
     small, large = (mx.array(rng.standard_normal((1, s, s, 64)).astype(np.float32)) for s in (6, 20))
     rule = BfloatRule(onednn.work("conv", large.shape, w.shape, 1, 1)[0], None, "a test's")
@@ -273,6 +274,16 @@ def test_under_a_rule_each_product_runs_in_the_precision_its_size_pays_for(rng):
         assert np.array_equal(np.array(got_small), np.array(want_small))  # float32's
         assert_close(got_large, mx.conv2d(rounded(large), rounded(w), 1, 1), 1e-5)  # bfloat16's
         assert kept.count == 2  # the weight in float32's layout and in bfloat16's
+    batch = mx.concatenate([small] * 16)  # more work than `large` together, each image less
+    rows = mx.array(rng.standard_normal((16, 30, 64)).astype(np.float32))  # (batch, tokens, channels)
+    weight = mx.array(rng.standard_normal((64, 64)).astype(np.float32))
+    per_image = BfloatRule(onednn.work("linear", rows.shape, weight.shape)[0] + 1, None, "a test's")
+    with onednn.products_in(mx.float32):
+        want_batch, want_rows = onednn.conv2d(batch, w, 1, 1), onednn.linear(rows, weight)
+    with onednn.products_in(mx.bfloat16, kept, rule):
+        assert np.array_equal(np.array(onednn.conv2d(batch, w, 1, 1)), np.array(want_batch))
+    with onednn.products_in(mx.bfloat16, kept, per_image):
+        assert np.array_equal(np.array(onednn.linear(rows, weight)), np.array(want_rows))
 
 
 def test_bfloat16_is_fast_only_with_the_instructions_oneDNN_may_use():

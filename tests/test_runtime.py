@@ -120,8 +120,8 @@ import ctypes, tempfile, threading
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 
-def churn():  # ctypes lets the GIL go: the threads meet in malloc
-    for _ in range(2000):
+def churn():  # ctypes lets the GIL go: the threads meet in malloc (long enough to meet on a loaded machine:
+    for _ in range(20000):  # with 2,000 a CI run beside another test process saw 2 heaps, not more)
         libc.free(libc.malloc(4096))
 
 threads = [threading.Thread(target=churn) for _ in range({threads})]
