@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -53,10 +54,11 @@ def resident_mib(pid: int) -> float:
     return float("nan")
 
 
-def start_server(checkpoint: Path, port: int, options: list, tree: Path = ROOT) -> tuple[subprocess.Popen, list]:
+@contextmanager
+def running_server(checkpoint: Path, port: int, options: list, tree: Path = ROOT):
     """`python -m deformable_detr.serve` of `tree`'s code (run from that folder, which puts it first on the path:
-    another checkout, to measure the code before a change) with `options`, once it answers; and the lines it
-    prints (stdout and stderr, a list that grows as it prints)."""
+    another checkout, to measure the code before a change) with `options`, once it answers: (the process, the
+    lines it prints, stdout and stderr, a list that grows as it prints); stopped (SIGTERM) when the block ends."""
     command = [sys.executable, "-m", "deformable_detr.serve", "--checkpoint", str(checkpoint.resolve())]
     env = dict(os.environ, PYTHONPATH=str(tree))
     server = subprocess.Popen(
@@ -69,15 +71,23 @@ def start_server(checkpoint: Path, port: int, options: list, tree: Path = ROOT) 
     )
     printed = []
     threading.Thread(target=lambda: printed.extend(server.stdout), daemon=True).start()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return server, printed
-        except httpx.HTTPError:
+    try:
+        deadline = time.monotonic() + 300
+        while not ready(port):
+            if time.monotonic() > deadline:
+                sys.exit("error: the server did not become ready in 5 minutes:\n" + "".join(printed[-20:]))
             time.sleep(0.5)
-    server.kill()
-    sys.exit("error: the server did not become ready in 5 minutes:\n" + "".join(printed[-20:]))
+        yield server, printed
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
+def ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def load(url: str, bodies: list[bytes], requests: int, clients: int) -> tuple[float, list[float]]:
@@ -130,22 +140,16 @@ def main(argv=None):
         "",
     ]
     for mode, options in MODES.items():
-        server, _ = start_server(args.checkpoint, args.port, options)
         url = f"http://127.0.0.1:{args.port}"
-        try:
+        with running_server(args.checkpoint, args.port, options) as (server, _):
             lines += [
                 f"## {mode} ({' '.join(options)})",
                 "",
                 "| images | clients | requests/s | p50 ms | p95 ms | mean batch |",
-            ]
-            lines += [
                 "| --- | ---: | ---: | ---: | ---: | ---: |",
                 *rounds(url, server, sets, args.requests, clients),
                 "",
             ]
-        finally:
-            server.terminate()
-            server.wait(timeout=120)
     lines.append(f"load average at the end: {load_average()}")
     report(lines, args.output)
 

@@ -25,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, load_average, report  # noqa: E402
-from serve import resident_mib, start_server  # noqa: E402
+from serve import resident_mib, running_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,15 +112,11 @@ def main(argv=None):
     url = f"http://127.0.0.1:{args.port}"
     for name, tree in trees:
         for precision in args.precisions.split(","):
-            server, printed = start_server(args.checkpoint, args.port, ["--precision", precision], tree)
-            said = next((line.strip() for line in printed if "precision" in line), "precision: (not printed)")
-            print(f"## {name}, --precision {precision}: {said}", flush=True)
-            try:
+            with running_server(args.checkpoint, args.port, ["--precision", precision], tree) as (server, printed):
+                said = next((line.strip() for line in printed if "precision" in line), "precision: (not printed)")
+                print(f"## {name}, --precision {precision}: {said}", flush=True)
                 lines += [f"## {name}, --precision {precision}", "", f"the server: {said}", ""]
                 lines += [*measure(url, server, bodies, args), ""]
-            finally:
-                server.terminate()
-                server.wait(timeout=120)
     lines.append(f"load average at the end: {load_average()}")
     report(lines, args.output)
 
