@@ -16,11 +16,11 @@ from deformable_detr.models.swin import (
     DropPath,
     SwinArchitecture,
     SwinBackbone,
+    is_buffer,
 )
 from deformable_detr.weights.swin import (
     detect_architecture,
     expected_shapes,
-    is_buffer,
     read_swin_imagenet,
     swin_imagenet_to_body,
 )

@@ -65,6 +65,12 @@ MASKED = -100.0  # Swin's value between tokens of different regions (not -inf)
 BUFFERS = ("relative_position_index", "attn_mask")
 
 
+def is_buffer(key: str) -> bool:
+    """A checkpoint entry that is a Swin buffer, not a parameter (HDETR's detection checkpoints hold
+    `relative_position_index` under backbone.0.body; classification ones `attn_mask` too): drop it."""
+    return key.rsplit(".", 1)[-1] in BUFFERS
+
+
 def architecture(name) -> SwinArchitecture:
     if isinstance(name, SwinArchitecture):
         return name

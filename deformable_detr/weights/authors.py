@@ -19,8 +19,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ConversionError, optional
 from ..models.backbones import backbone_family
-from ..models.swin import BUFFERS as SWIN_BUFFERS
-from ..models.swin import relative_position_index, window_of
+from ..models.swin import is_buffer, relative_position_index, window_of
 from .backbones import backbone_in
 from .files import open_safetensors
 
@@ -198,7 +197,7 @@ def sanitize(state: dict, expected: dict | None = None, source: str = "checkpoin
     for key, value in state.items():
         if key.endswith("num_batches_tracked"):
             continue
-        if key.startswith("backbone.0.body.") and key.rsplit(".", 1)[-1] in SWIN_BUFFERS:
+        if key.startswith("backbone.0.body.") and is_buffer(key):
             continue  # a Swin's buffers: computed by the model (models/swin.py)
         twin = _tied_twin(key, variant)
         if twin is not None:

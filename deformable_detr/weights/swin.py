@@ -22,18 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConversionError
-from ..models.swin import BUFFERS, OUT_INDICES, SwinTransformer, architecture, describe
+from ..models.swin import OUT_INDICES, SwinTransformer, architecture, describe, is_buffer
 from .authors import expected_shapes as parameter_shapes
 from .authors import read_checkpoint
 from .backbones import detect_architecture
 
 CLASSIFIER = re.compile(r"(head|norm)\.")  # the classifier (head.*, head.fc.*) and the final norm
-
-
-def is_buffer(key: str) -> bool:
-    """A checkpoint entry that is a Swin buffer, not a parameter (HDETR's detection checkpoints hold
-    `relative_position_index` under backbone.0.body; classification ones `attn_mask` too): drop it."""
-    return key.rsplit(".", 1)[-1] in BUFFERS
 
 
 def expected_shapes(name) -> dict:

@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten
 
 from ...errors import CommandError, UsageError, install_hint, optional
 from ...models.backbones import backbone_family
+from ...models.combinations import check_model
 from ...weights.files import atomic_write
 from ..check import TOLERANCE, check_canvas, differences
 
@@ -25,8 +26,7 @@ def check_options(cfg, weights: dict, canvas: tuple, batch: int, sampler: str):
     check_canvas(cfg, canvas, batch)
     if sampler not in SAMPLERS:
         raise UsageError(f"--sampler {sampler}: expected one of {', '.join(SAMPLERS)}")
-    if cfg.hidden_dim % 32:
-        raise UsageError(f"model.hidden_dim {cfg.hidden_dim}: the input projections' group norm needs a multiple of 32")
+    check_model(cfg)  # the model's own rules (the input projections' groups among them), stated once
     if "class_embed.0.bias" not in weights:
         raise ValueError("the weights have no class_embed.0.bias")
     if backbone_family(cfg.backbone) != "resnet":
