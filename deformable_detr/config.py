@@ -40,6 +40,9 @@ class ModelConfig:
     # 1: the backbone's last map; more: its maps (3), then extra levels made from the last. Which settings
     # go together (this with the backbone, hidden_dim with nheads, ...): models/combinations.py
     num_feature_levels: int = field(default=4, metadata={"range": (1, BIG)})
+    # how many of the backbone's maps are levels, its coarsest: 1, 3 (strides 8, 16, 32) or 4 (and stride 4: DINO's
+    # 5-scale); auto: 1 with one level, else 3
+    backbone_maps: int = field(default="auto", metadata={"auto": True})
     hidden_dim: int = field(default=256, metadata={"range": (1, BIG)})
     nheads: int = field(default=8, metadata={"range": (1, BIG)})
     enc_layers: int = 6
@@ -65,6 +68,22 @@ class ModelConfig:
     # the hybrid branch: this many more queries, trained one-to-many (loss.k_one2many) and kept apart from the
     # num_queries one-to-one queries in the decoder's self-attention; in training only (0: none)
     num_queries_one2many: int = field(default=0, metadata={"range": (0, BIG)})
+    # deformable_detr | dino: DINO (github.com/IDEA-Research/DINO) is Deformable DETR two-stage with box refinement,
+    # mixed selection and look forward twice, plus: each decoder layer's query positions made from its reference
+    # boxes (ref_point_head), a norm on the decoder's outputs, one class head and one box head shared by the decoder
+    # layers (the encoder's own apart), proposals chosen by their best class, the position encoding without the
+    # half-pixel offset, and contrastive denoising in training (dn_*). Its configs: configs/dino_*.yaml
+    architecture: str = field(default="deformable_detr", metadata={"choices": ("deformable_detr", "dino")})
+    # the sine position encoding's temperature (the authors' 10000; DINO's 20)
+    position_temperature: float = field(default=10000.0, metadata={"range": (1.0, 1e9)})
+    # DINO's contrastive denoising: every step at most 2 x dn_number queries (groups of a noised positive and negative
+    # copy of every target; as many groups as fit), a fixed count whatever the targets; 0: none. The labels are
+    # changed at random with probability dn_label_noise_ratio / 2, the boxes moved by up to dn_box_noise_scale of
+    # their size (the negatives beyond it); dn_labelbook_size labels are embedded (auto: num_classes)
+    dn_number: int = field(default=0, metadata={"range": (0, BIG)})
+    dn_label_noise_ratio: float = field(default=0.5, metadata={"range": (0.0, 1.0)})
+    dn_box_noise_scale: float = field(default=0.4, metadata={"range": (0.0, BIG)})
+    dn_labelbook_size: int = field(default="auto", metadata={"auto": True})
 
 
 @dataclass
@@ -194,7 +213,8 @@ _MODEL_KEYS = ("backbone", "backbone_width", "dilation", "drop_path_rate", "num_
 _MODEL_KEYS += ("nheads", "enc_layers")
 _MODEL_KEYS += ("dec_layers", "dim_feedforward", "dropout", "enc_n_points", "dec_n_points", "num_queries")
 _MODEL_KEYS += ("num_classes", "with_box_refine", "two_stage", "aux_loss", "mixed_selection", "look_forward_twice")
-_MODEL_KEYS += ("num_queries_one2many",)
+_MODEL_KEYS += ("num_queries_one2many", "architecture", "position_temperature", "dn_number", "dn_label_noise_ratio")
+_MODEL_KEYS += ("dn_box_noise_scale", "dn_labelbook_size", "backbone_maps")
 _OPTIMIZER_KEYS = ("lr", "lr_backbone", "freeze_stem_and_layer1", "lr_linear_proj_mult", "lr_linear_proj_names")
 _OPTIMIZER_KEYS += ("weight_decay", "clip_max_norm")
 RESUME_EFFECTS = {

@@ -44,8 +44,22 @@ REFUSED = {
     ),
     "two feature levels of three maps": (
         ["model.num_feature_levels=2"],
-        "model.num_feature_levels 2: model.backbone resnet18 gives 3 maps, each a level: 1 (its last only), or at "
-        "least 3 (the rest made from the last)",
+        "model.num_feature_levels 2 with model.backbone_maps auto: the levels are the backbone's 3 maps, then maps "
+        "made from the last: 1 level takes 1 map, more take 3 or 4",
+    ),
+    "four maps in four levels' place": (
+        ["model.backbone_maps=4", "model.num_feature_levels=3"],
+        "model.num_feature_levels 3 with model.backbone_maps 4: the levels are the backbone's 4 maps, then maps "
+        "made from the last: 1 level takes 1 map, more take 3 or 4",
+    ),
+    "DINO without its two-stage": (
+        ["model.architecture=dino"],
+        "model.architecture dino needs model.two_stage, model.with_box_refine and model.mixed_selection (DINO's "
+        "code builds only that: configs/dino_r50_4scale.yaml)",
+    ),
+    "denoising without DINO": (
+        ["model.dn_number=100"],
+        "model.dn_number (contrastive denoising) needs model.architecture dino",
     ),
     "a width the group norm cannot split": (
         ["model.hidden_dim=48"],

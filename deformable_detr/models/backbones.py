@@ -52,6 +52,14 @@ def unknown_backbone(name: str) -> str | None:
     return None
 
 
+def maps_taken(m: ModelConfig) -> int:
+    """How many of the backbone's maps, its coarsest, the model takes as levels: model.backbone_maps, where auto is
+    1 with one level, else 3 (strides 8, 16, 32)."""
+    if m.backbone_maps == "auto":
+        return 1 if m.num_feature_levels == 1 else 3
+    return m.backbone_maps
+
+
 def build_backbone(m: ModelConfig) -> BackboneBase:
     """The backbone of the config's model section (the section checked by combinations.check_model)."""
     if problem := unknown_backbone(m.backbone):

@@ -7,7 +7,7 @@ ValueError). A single key's range is config.py's (its fields' `range` metadata).
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from .backbones import BACKBONES, backbone_family, unknown_backbone
+from .backbones import BACKBONES, backbone_family, maps_taken, unknown_backbone
 
 GROUPS = 32  # the input projections' group norm (the authors'): model.hidden_dim is a multiple of it
 
@@ -22,11 +22,13 @@ def model_problem(m: ModelConfig) -> str | None:
             f"model.dilation (DC5) dilates a ResNet's last stage; model.backbone {m.backbone} has none: "
             "set model.dilation=false"
         )
-    maps = len(BACKBONES[family].backbone.STRIDES)
-    if 1 < m.num_feature_levels < maps:
+    if m.backbone_maps not in ("auto", 1, 3, 4):
+        return f"model.backbone_maps {m.backbone_maps}: auto, 1 (the last map), 3 (strides 8, 16, 32) or 4 (and 4)"
+    maps = maps_taken(m)
+    if (maps == 1) != (m.num_feature_levels == 1) or m.num_feature_levels < maps:
         return (
-            f"model.num_feature_levels {m.num_feature_levels}: model.backbone {m.backbone} gives {maps} maps, each a "
-            f"level: 1 (its last only), or at least {maps} (the rest made from the last)"
+            f"model.num_feature_levels {m.num_feature_levels} with model.backbone_maps {m.backbone_maps}: the levels "
+            f"are the backbone's {maps} maps, then maps made from the last: 1 level takes 1 map, more take 3 or 4"
         )
     if m.hidden_dim % m.nheads:
         return (
@@ -39,6 +41,15 @@ def model_problem(m: ModelConfig) -> str | None:
         return "model.mixed_selection needs model.two_stage: it mixes the encoder's proposals in"
     if m.look_forward_twice and not m.with_box_refine:
         return "model.look_forward_twice needs model.with_box_refine: it looks at the refined boxes"
+    if m.architecture == "dino" and not (m.two_stage and m.with_box_refine and m.mixed_selection):
+        return (
+            "model.architecture dino needs model.two_stage, model.with_box_refine and model.mixed_selection (DINO's "
+            "code builds only that: configs/dino_r50_4scale.yaml)"
+        )
+    if m.architecture == "dino" and m.num_queries_one2many:
+        return "model.num_queries_one2many (H-Deformable-DETR's hybrid branch): not built with model.architecture dino"
+    if m.dn_number and m.architecture != "dino":
+        return "model.dn_number (contrastive denoising) needs model.architecture dino"
     return None
 
 
