@@ -7,7 +7,7 @@ for key.
 
 import mlx.nn as nn
 
-from .backbone_base import BackboneBase
+from .backbone_base import STAGE_STRIDES, BackboneBase, stages_returned
 from .convolution import Conv2d
 from .precision import FrozenBatchNorm2d
 from .recompute import checkpointed
@@ -72,9 +72,10 @@ def _sequential(layers, x):
 
 
 class ResNet(nn.Module):
-    """torchvision's ResNet without the classifier; returns the outputs of layer2..layer4."""
+    """torchvision's ResNet without the classifier; returns the outputs of the layers of `stages` (0: layer1, ...,
+    3: layer4; layer2..layer4 by default), finest first."""
 
-    def __init__(self, name: str, dilation: bool = False, width: int = 64):
+    def __init__(self, name: str, dilation: bool = False, width: int = 64, stages: tuple[int, ...] = (1, 2, 3)):
         super().__init__()
         if name not in ARCHITECTURES:
             raise ValueError(f"unknown backbone {name!r}; expected one of {', '.join(ARCHITECTURES)}")
@@ -111,7 +112,8 @@ class ResNet(nn.Module):
                 )
                 in_channels = channels * block.expansion
             setattr(self, f"layer{stage + 1}", blocks)
-        self.num_channels = [c * block.expansion for c in widths[1:]]
+        self.stages = tuple(stages)
+        self.num_channels = [widths[i] * block.expansion for i in self.stages]
         self.activation_checkpointing = False  # recompute layer2..layer4 in the backward (recompute.py)
 
     def __call__(self, x):
@@ -125,22 +127,26 @@ class ResNet(nn.Module):
                 x,
                 enabled=self.activation_checkpointing and stage > 1,
             )
-            if stage >= 2:
+            if stage - 1 in self.stages:
                 outputs.append(x)
         return outputs
 
 
 class Backbone(BackboneBase):
-    """ResNet body; returns [(features (B, h, w, C), mask (B, h, w))] at strides 8/16/32 (DC5: 8/16/16), or
-    the last only (`return_interm_layers=False`)."""
+    """ResNet body; returns [(features (B, h, w, C), mask (B, h, w))] of its last `maps`: layer4's (1), layer2..4's
+    at strides 8/16/32 (3; DC5: 8/16/16), or layer1..4's at 4/8/16/32 (4: DINO's 5-scale)."""
 
-    def __init__(self, name: str, return_interm_layers: bool = True, dilation: bool = False, width: int = 64):
-        strides = (8, 16, 16) if dilation else self.STRIDES  # DC5: the last stage dilated, not strided
-        super().__init__(ResNet(name, dilation, width), return_interm_layers, strides)
+    def __init__(self, name: str, maps: int = 3, dilation: bool = False, width: int = 64):
+        stages = stages_returned(maps)
+        strides = [STAGE_STRIDES[i] for i in stages]
+        if dilation:  # DC5: the last stage dilated, not strided
+            strides[-1] = strides[-2]
+        super().__init__(ResNet(name, dilation, width, stages), maps, tuple(strides))
 
     def set_trainable(self, train: bool, freeze_stem_and_layer1: bool = True):
         """Which layers train: none (`train` False); all but the stem and layer1 (the authors'
-        choice for an ImageNet-pretrained backbone); or all. Batch norm never trains."""
+        choice for an ImageNet-pretrained backbone, and DINO's, even where layer1's map is a level); or all.
+        Batch norm never trains."""
         self.body.unfreeze()
         for module in self.body.modules():
             if isinstance(module, FrozenBatchNorm2d):

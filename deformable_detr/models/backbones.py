@@ -22,11 +22,11 @@ class BackboneFamily:
 
 
 def _resnet(m: ModelConfig) -> Backbone:
-    return Backbone(m.backbone, m.num_feature_levels > 1, m.dilation, m.backbone_width)
+    return Backbone(m.backbone, maps_taken(m), m.dilation, m.backbone_width)
 
 
-def _swin(m: ModelConfig) -> SwinBackbone:  # H-Deformable-DETR's Swin backbones
-    return SwinBackbone(m.backbone, m.num_feature_levels > 1, m.drop_path_rate)
+def _swin(m: ModelConfig) -> SwinBackbone:  # H-Deformable-DETR's Swin backbones (DINO's are the same)
+    return SwinBackbone(m.backbone, maps_taken(m), m.drop_path_rate)
 
 
 BACKBONES = {

@@ -14,7 +14,8 @@ What HDETR does, kept here because the numbers depend on it:
   are not masked: they take part in the attention as keys (their key and value are the qkv bias);
 - the shifted blocks' mask (-100 between tokens from different regions of the rolled map) is built
   on the padded map, and used even where the map is smaller than a window;
-- a stage's output is the map before its patch merging, normalised by that stage's own `norm{i}`;
+- a stage's output is the map before its patch merging, normalised by that stage's own `norm{i}`, which
+  exists for the stages returned only (HDETR's 1..3; DINO's 0..3 in its 5-scale, 1..3 in its 4-scale);
   patch merging pads an odd side by one, so the maps are ceil(H / 8), ceil(H / 16), ceil(H / 32);
 - stochastic depth (drop path) with rates linearly spaced from 0 to `drop_path_rate` over all blocks,
   one draw per sample, in training only.
@@ -29,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .backbone_base import BackboneBase
+from .backbone_base import STAGE_STRIDES, BackboneBase, stages_returned
 from .convolution import Conv2d
 from .gelu import gelu
 from .linear import Linear
@@ -56,7 +57,7 @@ SWIN_ARCHITECTURES = {
 # HDETR's TransformerBackbone builds swin_tiny, swin_small, swin_large and swin_large_window12; the
 # two swin_base entries are Microsoft's released Swin-B shapes, built the same way.
 
-OUT_INDICES = (1, 2, 3)  # HDETR's: strides 8, 16, 32
+OUT_INDICES = (1, 2, 3)  # HDETR's stages returned: strides 8, 16, 32 (DINO's 5-scale adds stage 0: stride 4)
 PATCH_SIZE = 4
 MLP_RATIO = 4
 MASKED = -100.0  # Swin's value between tokens of different regions (not -inf)
@@ -301,10 +302,11 @@ class BasicLayer(nn.Module):
 
 class SwinTransformer(nn.Module):
     """HDETR's SwinTransformer (patch_norm, no absolute position embedding, qkv bias, mlp_ratio 4, no
-    dropout): returns the normalised outputs of stages 1..3, (B, H/8, W/8, 2 * embed_dim) to (B, H/32,
-    W/32, 8 * embed_dim), sides rounded up."""
+    dropout; DINO's is the same code): returns the normalised outputs of `stages` (their out_indices), stage i
+    (B, H / 2^(i + 2), W / 2^(i + 2), 2^i * embed_dim), sides rounded up: by default stages 1..3, (B, H/8, W/8,
+    2 * embed_dim) to (B, H/32, W/32, 8 * embed_dim)."""
 
-    def __init__(self, name, drop_path_rate: float = 0.2):
+    def __init__(self, name, drop_path_rate: float = 0.2, stages: tuple[int, ...] = OUT_INDICES):
         super().__init__()
         arch = architecture(name)
         self.architecture = arch
@@ -320,9 +322,10 @@ class SwinTransformer(nn.Module):
                 BasicLayer(dim, depth, heads, arch.window_size, rates[first : first + depth], downsample)
             )
         self.num_features = [arch.embed_dim * 2**i for i in range(len(arch.depths))]
-        for i in OUT_INDICES:
+        self.stages = tuple(stages)
+        for i in self.stages:
             setattr(self, f"norm{i}", LayerNorm(self.num_features[i]))
-        self.num_channels = [self.num_features[i] for i in OUT_INDICES]
+        self.num_channels = [self.num_features[i] for i in self.stages]
         self.activation_checkpointing = False  # recompute each block in the backward (recompute.py), as HDETR
 
     def __call__(self, images):
@@ -330,24 +333,28 @@ class SwinTransformer(nn.Module):
         outputs = []
         for i, layer in enumerate(self.layers):
             out, x = layer(x, self.activation_checkpointing)
-            if i in OUT_INDICES:
+            if i in self.stages:
                 outputs.append(getattr(self, f"norm{i}")(out))
         return outputs
 
 
 class SwinBackbone(BackboneBase):
-    """Swin body; returns [(features (B, h, w, C), mask (B, h, w))] at strides 8/16/32, or the last
-    only (`return_interm_layers=False`). `name`: a key of SWIN_ARCHITECTURES (or a SwinArchitecture).
-    HDETR's body returns all three maps even when it says stride 32 only; here the last only."""
+    """Swin body; returns [(features (B, h, w, C), mask (B, h, w))] of its last `maps`: stage 3's (1), stages
+    1..3's at strides 8/16/32 (3), or stages 0..3's at 4/8/16/32 (4: DINO's 5-scale, with norm0). `name`: a key
+    of SWIN_ARCHITECTURES (or a SwinArchitecture). HDETR's body returns all three maps even when it says
+    stride 32 only; here the last only (its norm1 and norm2 kept: they are in HDETR's checkpoints)."""
 
-    def __init__(self, name, return_interm_layers: bool = True, drop_path_rate: float = 0.2):
-        super().__init__(SwinTransformer(name, drop_path_rate), return_interm_layers)
+    def __init__(self, name, maps: int = 3, drop_path_rate: float = 0.2):
+        stages = stages_returned(maps)
+        strides = tuple(STAGE_STRIDES[i] for i in stages)
+        super().__init__(SwinTransformer(name, drop_path_rate, stages), maps, strides)
 
     def set_trainable(self, train: bool, freeze_stem_and_layer1: bool = True):
         """All of Swin trains (`train`), or none. `freeze_stem_and_layer1` is ignored: it is the
         Deformable DETR authors' choice for a ResNet; HDETR trains every Swin parameter, the patch
         embedding included, whenever the backbone trains (TransformerBackbone freezes nothing, its
-        frozen_stages is -1), and so does this, to train as they did."""
+        frozen_stages is -1), as does DINO (its configs' backbone_freeze_keywords None), and so does this, to
+        train as they did."""
         self.body.unfreeze()
         if not train:
             self.body.freeze()
