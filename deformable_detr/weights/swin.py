@@ -22,7 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConversionError
-from ..models.swin import OUT_INDICES, SwinTransformer, architecture, describe, is_buffer
+from ..models.swin import (
+    OUT_INDICES,
+    SwinTransformer,
+    architecture,
+    describe,
+    is_buffer,
+    relative_position_index,
+    window_of,
+)
 from .authors import expected_shapes as parameter_shapes
 from .authors import read_checkpoint
 from .backbones import detect_architecture
@@ -99,3 +107,15 @@ def read_swin_imagenet(path, name, prefix: str = "") -> dict:
     SwinBackbone, "backbone.0.body." for the detector."""
     state, _ = read_checkpoint(Path(path))
     return {prefix + k: v for k, v in swin_imagenet_to_body(state, name, str(path)).items()}
+
+
+def swin_buffers(state: dict) -> dict:
+    """The buffers a Swin's PyTorch modules (HDETR's, DINO's) hold beside its parameters, which they load strict
+    only with: for each bias table in `state` (numpy, by key, any prefix), its block's `relative_position_index`
+    (int64, as torch registers it), from the table's window."""
+    buffers = {}
+    for key, value in state.items():
+        if key.endswith(".attn.relative_position_bias_table"):
+            index = np.array(relative_position_index(window_of(value)), np.int64)
+            buffers[key.removesuffix("relative_position_bias_table") + "relative_position_index"] = index
+    return buffers
