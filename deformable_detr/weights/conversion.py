@@ -14,7 +14,7 @@ from ..errors import ConversionError, optional
 from ..models import build_model
 from ..models.backbones import build_backbone
 from ..models.swin import architecture_name, describe
-from . import huggingface
+from . import dino, huggingface
 from .authors import (
     authors_args,
     config_for,
@@ -57,20 +57,30 @@ def convert(src: Path, backbone_only: bool = False, dilation: bool = False, sour
     if huggingface.is_huggingface(state):
         ckpt_args = huggingface.read_config(Path(src))
         state = huggingface.untie_heads(huggingface.huggingface_to_authors(state, source), ckpt_args)
-    options = model_options(state, ckpt_args)
+    if dino.is_detrex(state):
+        state = dino.from_detrex(state, source)
+    layout = dino if dino.is_dino(state) else None  # DINO's main.py layout (detrex's mapped to it), or the authors'
+    options = dino.model_options(state, ckpt_args, source) if layout else model_options(state, ckpt_args)
     options["dilation"] = options.get("dilation", False) or dilation
     model = build_model(load_config(None, model_overrides(options)))
-    weights = sanitize(state, expected_shapes(model), source)
-    config_name = config_for(options)
+    weights = (dino.sanitize if layout else sanitize)(state, expected_shapes(model), source)
+    config_name = config_file_for(options)
     file_options = load_config(CONFIGS_DIR / config_name).model
     differing = {k: v for k, v in options.items() if getattr(file_options, k) != v}
-    kind = ("two-stage, " if options["two_stage"] else "") + ("box refinement, " if options["with_box_refine"] else "")
+    kind = "DINO, " if layout else ""
+    kind += ("two-stage, " if options["two_stage"] else "") + ("box refinement, " if options["with_box_refine"] else "")
     message = (
         f"variant: {options['backbone']}, {kind}{options['num_feature_levels']} feature level(s)"
         f"{', DC5' if options['dilation'] else ''}\nconfig: configs/{config_name}"
         + (f" with {' '.join(model_overrides(differing))}" if differing else "")
     )
     return weights, options, message
+
+
+def config_file_for(options: dict) -> str:
+    """The configs/ file a converted model's options match: DINO's recipe for a DINO model, else the authors' (or
+    H-Deformable-DETR's) configuration."""
+    return dino.config_for(options) if options.get("architecture") == "dino" else config_for(options)
 
 
 def class_names_for(weights: dict, src) -> tuple[dict, str]:
@@ -92,7 +102,7 @@ def save_converted(dst, weights: dict, options: dict, src) -> tuple[dict, str]:
     and the config it matches (so eval and predict need no --config). -> class_names_for's answer."""
     names, where = class_names_for(weights, src)
     model = "two_stage" in options  # not backbone-only weights
-    metadata = {MODEL_OPTIONS_KEY: json.dumps(options), CONFIG_FILE_KEY: config_for(options)} if model else {}
+    metadata = {MODEL_OPTIONS_KEY: json.dumps(options), CONFIG_FILE_KEY: config_file_for(options)} if model else {}
     save_weights(dst, weights, names, metadata)
     return names, where
 
@@ -104,17 +114,19 @@ def _check_round_trip(back: dict, weights: dict, source):
 
 def export_torch(weights: dict, model_config: dict, dst: Path, source="the model") -> str:
     """This port's `weights` (numpy, by parameter name) of a model of `model_config` (ModelConfig as a
-    dict) -> `dst`, `{"model": state_dict, "args": Namespace}` as the authors' `main.py` saves it: their
-    key names, convolutions OIHW, the tied keys restored; `args` the model options the keys cannot show.
-    Needs PyTorch. -> a one-line summary."""
+    dict) -> `dst`, `{"model": state_dict, "args": Namespace}` as the authors' `main.py` saves it (DINO's main.py
+    for a DINO model): their key names, convolutions OIHW, the tied keys restored; `args` the model options the
+    keys cannot show (DINO's: all their build_dino reads). Needs PyTorch. -> a one-line summary."""
     torch = optional("torch", "convert", "exporting to PyTorch")
-    state = to_authors(weights)
-    _check_round_trip(sanitize(state, source=str(source)), weights, source)
+    layout = dino if model_config.get("architecture") == "dino" else None
+    state = dino.to_dino(weights) if layout else to_authors(weights)
+    _check_round_trip((dino.sanitize if layout else sanitize)(state, source=str(source)), weights, source)
     checkpoint = {"model": {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}}
-    checkpoint["args"] = authors_args(model_config)
+    checkpoint["args"] = dino.dino_args(model_config, weights) if layout else authors_args(model_config)
     with atomic_write(dst) as tmp:
         torch.save(checkpoint, tmp)
-    return f"wrote {len(state)} tensors ({len(weights)} distinct) in the authors' layout to {dst}"
+    whose = "DINO's" if layout else "the authors'"
+    return f"wrote {len(state)} tensors ({len(weights)} distinct) in {whose} layout to {dst}"
 
 
 def export_huggingface(weights: dict, config: dict, names: dict, out_dir: Path, backbone="timm", source="the model"):
@@ -123,6 +135,11 @@ def export_huggingface(weights: dict, config: dict, names: dict, out_dir: Path, 
     `DeformableDetrForObjectDetection.from_pretrained(out_dir)` and its pipelines; the ResNet under
     timm's names (`backbone="timm"`, as the Hub's SenseTime models) or transformers' own. -> a summary."""
     model = {**config["model"], "num_classes": int(weights["class_embed.0.bias"].shape[0])}
+    if model.get("architecture") == "dino":
+        raise ConversionError(
+            f"{source}: transformers has no DINO model (its request is open): --to torch writes DINO's layout, which "
+            "their main.py loads"
+        )
     if model.get("mixed_selection") or model.get("num_queries_one2many"):
         raise ConversionError(
             f"{source}: transformers' DeformableDetr has no H-Deformable-DETR model (mixed selection, the hybrid "

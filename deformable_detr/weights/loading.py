@@ -15,7 +15,11 @@ from ..models import build_model
 from .files import WeightsFile, read_weights
 from .hub import local_weights
 
-CLASS_HEAD = re.compile(r"class_embed\.\d+\.(weight|bias)$")
+# The tensors with a row per class: the class heads (DINO's encoder's too) and DINO's label embedding (its rows beyond
+# the classes' never read), whose rows fine-tuning carries by category name
+CLASS_HEAD = re.compile(
+    r"(class_embed\.\d+\.(weight|bias)|transformer\.enc_out_class_embed\.(weight|bias)|label_enc\.weight)$"
+)
 
 
 def open_weights(reference, raw: bool = False, verify: bool = True) -> WeightsFile:
