@@ -118,7 +118,11 @@ def test_their_args_give_the_model_options(variant):
         "dn_box_noise_scale": 0.4,
         "dn_labelbook_size": 5,
     }
-    assert dino.config_for(options) == ("dino_r50_5scale.yaml" if five else "dino_r50_4scale.yaml")
+    assert dino.config_for(options) == ("dino_r50_5scale_12ep.yaml" if five else "dino_r50_4scale_12ep.yaml")
+    swin_large = {**options, "backbone": "swin_large_window12"}
+    assert dino.config_for(swin_large) == (
+        "dino_swin_large_5scale_12ep.yaml" if five else "dino_swin_large_4scale_12ep.yaml"
+    )
 
 
 def test_args_the_state_cannot_show():
@@ -328,3 +332,70 @@ def test_their_code_loads_the_export_strict(scales):
     model.load_state_dict({k: torch.from_numpy(v) for k, v in exported.items()}, strict=True)
     for key in ("class_embed.2.weight", "transformer.decoder.bbox_embed.1.layers.1.bias", "input_proj.0.0.weight"):
         np.testing.assert_array_equal(model.state_dict()[key].numpy(), state[key])
+
+
+def mlx_dino(options: dict):
+    """The MLX DINO model of `options`, or a skip until build_model builds one (models/dino.py)."""
+    from deformable_detr import build_model, load_config
+    from deformable_detr.config import CONFIGS_DIR, model_overrides
+
+    if not (CONFIGS_DIR / dino.config_for(options)).is_file():
+        pytest.skip(f"configs/{dino.config_for(options)} (the lead's DINO configs) is not there yet")
+    return build_model(load_config(None, model_overrides(options)))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_converted_key_is_a_parameter_of_the_mlx_model(variant):
+    """Their state -> the MLX model's parameters, every key and shape (strict both ways), and the model's
+    parameters -> their state again, bit for bit."""
+    from deformable_detr.weights.authors import expected_shapes
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    state = their_state(variant)
+    model = mlx_dino(dino.model_options(state, their_args(variant)))
+    weights = dino.sanitize(state, expected_shapes(model), variant)
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
+    back = dino.to_dino({k: np.array(v) for k, v in tree_flatten(model.parameters())})
+    assert back.keys() == state.keys()
+    for key, value in state.items():
+        assert back[key].dtype == value.dtype and np.array_equal(back[key], value), key
+
+
+def test_convert_reads_their_checkpoint_and_refuses_detrex_in_one_line(tmp_path):
+    """convert: their main.py checkpoint -> weights, options and config the file records -> the model loaded; a
+    detrex checkpoint (its own heads for every layer) refused in one line."""
+    torch = pytest.importorskip("torch", reason="writing their .pth needs PyTorch (the convert extra)")
+    from deformable_detr.weights.conversion import convert, save_converted
+    from deformable_detr.weights.loading import config_from_weights, load_trained_model
+
+    state = their_state("r50_4scale")
+    mlx_dino(dino.model_options(state, their_args("r50_4scale")))  # or the skip
+    checkpoint = {"model": {k: torch.from_numpy(v) for k, v in state.items()}, "epoch": 11}
+    checkpoint["args"] = argparse.Namespace(**their_args("r50_4scale"))
+    torch.save(checkpoint, tmp_path / "dino.pth")
+    weights, options, message = convert(tmp_path / "dino.pth")
+    assert message.startswith("variant: resnet50, DINO, two-stage, box refinement, 4 feature level(s)\n")
+    assert "config: configs/dino_r50_4scale_12ep.yaml with " in message
+    save_converted(tmp_path / "dino.safetensors", weights, options, tmp_path / "dino.pth")
+    cfg = config_from_weights(tmp_path / "dino.safetensors")
+    assert (cfg.model.architecture, cfg.model.num_queries, cfg.model.hidden_dim, cfg.model.dn_labelbook_size) == (
+        "dino",
+        30,
+        64,
+        5,
+    )
+    model, _ = load_trained_model(tmp_path / "dino.safetensors", cfg)
+    np.testing.assert_array_equal(np.array(model.label_enc.weight), state["label_enc.weight"])
+
+    theirs = dino.to_detrex(state)
+    torch.save({"model": {k: torch.from_numpy(v) for k, v in theirs.items()}}, tmp_path / "detrex.pth")
+    with pytest.raises(ConversionError, match=r"detrex.pth: detrex's DINO position encoding .*: not built") as error:
+        convert(tmp_path / "detrex.pth")  # its heads here one (shared): its position encoding refused
+    assert "\n" not in str(error.value)
+    theirs["class_embed.0.bias"] = theirs["class_embed.0.bias"] + 1
+    theirs["transformer.decoder.class_embed.0.bias"] = theirs["class_embed.0.bias"]
+    torch.save({"model": {k: torch.from_numpy(v) for k, v in theirs.items()}}, tmp_path / "detrex.pth")
+    with pytest.raises(ConversionError, match=r"detrex.pth: a class and a box head for each decoder layer"):
+        convert(tmp_path / "detrex.pth")

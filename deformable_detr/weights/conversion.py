@@ -57,10 +57,10 @@ def convert(src: Path, backbone_only: bool = False, dilation: bool = False, sour
     if huggingface.is_huggingface(state):
         ckpt_args = huggingface.read_config(Path(src))
         state = huggingface.untie_heads(huggingface.huggingface_to_authors(state, source), ckpt_args)
-    if dino.is_detrex(state):
-        state = dino.from_detrex(state, source)
+    detrex = dino.is_detrex(state)
+    state = dino.from_detrex(state, source) if detrex else state
     layout = dino if dino.is_dino(state) else None  # DINO's main.py layout (detrex's mapped to it), or the authors'
-    options = dino.model_options(state, ckpt_args, source) if layout else model_options(state, ckpt_args)
+    options = dino.model_options(state, ckpt_args, source, detrex) if layout else model_options(state, ckpt_args)
     options["dilation"] = options.get("dilation", False) or dilation
     model = build_model(load_config(None, model_overrides(options)))
     weights = (dino.sanitize if layout else sanitize)(state, expected_shapes(model), source)

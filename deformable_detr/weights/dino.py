@@ -39,6 +39,10 @@ UNSHARED_HEADS = (  # detrex's DINO has them, DINO's with dec_pred_*_embed_share
     "a class and a box head for each decoder layer (detrex's DINO; DINO's dec_pred_*_embed_share False): not built; "
     "one pair shared by the decoder's layers is (DINO's configs)"
 )
+DETREX_POSITION = (
+    "detrex's DINO position encoding (the authors': a half-pixel offset, temperature 10000): not built with "
+    "model.architecture dino (DINO's: no offset)"
+)
 HEADS = re.compile(r"^(transformer\.decoder\.)?(class_embed|bbox_embed)\.(\d+)\.(.*)$")
 
 # The values of DINO's config/DINO/DINO_4scale.py for what their build_dino reads (models/dino/*.py), and main.py's
@@ -229,7 +233,7 @@ def state_options(state: dict) -> dict:
     return options
 
 
-def model_options(state: dict, args: dict, source: str = "checkpoint") -> dict:
+def model_options(state: dict, args: dict, source: str = "checkpoint", detrex: bool = False) -> dict:
     """ModelConfig fields for DINO's checkpoint: DINO's model (two-stage, box refinement, mixed selection, look
     forward twice), what its keys show, and from its args what keys cannot show (heads, points, the position
     encoding's temperature, denoising, dropout, DC5); without args, DINO's configs' values. What the args or the
@@ -238,6 +242,8 @@ def model_options(state: dict, args: dict, source: str = "checkpoint") -> dict:
         raise ConversionError(f"{source}: {problem}")
     if not _shared_heads(state):
         raise ConversionError(f"{source}: {UNSHARED_HEADS}")
+    if detrex:  # its keys mapped to DINO's (from_detrex); its model's position encoding is not DINO's
+        raise ConversionError(f"{source}: {DETREX_POSITION}")
     options = {
         "architecture": "dino",
         "two_stage": True,
@@ -271,9 +277,11 @@ def model_options(state: dict, args: dict, source: str = "checkpoint") -> dict:
 
 
 def config_for(options: dict) -> str:
-    """The configs/ file of DINO's configuration a DINO model's options match: its 4-scale or 5-scale R50 recipe
-    (a Swin's options name its backbone over it)."""
-    return "dino_r50_5scale.yaml" if options.get("backbone_maps") == 4 else "dino_r50_4scale.yaml"
+    """The configs/ file of DINO's recipe a DINO model's options match: its Swin-L (window 12) or R50 rows, 4-scale
+    or 5-scale, 12 epochs (another backbone's options name it over the R50 recipe's)."""
+    scales = 5 if options.get("backbone_maps") == 4 else 4
+    swin_large = options.get("backbone") == "swin_large_window12"
+    return f"dino_{'swin_large' if swin_large else 'r50'}_{scales}scale_12ep.yaml"
 
 
 def _twin(key: str, shared: bool) -> str | None:
