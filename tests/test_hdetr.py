@@ -309,7 +309,7 @@ def test_detector_predicts_and_slices_with_a_hybrid_model(tmp_path):
 
     path, model = small_checkpoint(tmp_path, "hdetr_r50_12ep")
     detector = Detector.load(path)
-    assert detector.model.num_queries_one2many == 1500 and not detector.model.training
+    assert {g.name: g.count for g in detector.model.groups}["one2many"] == 1500 and not detector.model.training
     image = (np.random.default_rng(0).random((120, 160, 3)) * 255).astype(np.uint8)
     result = detector.predict(image, threshold=0.0)[0]
     assert 0 < len(result) <= 12 * 5 and result.queries.max() < 12  # the 12 one-to-one queries' 5 classes

@@ -163,7 +163,7 @@ def test_an_allocation_failure_in_a_step_stops_with_the_advice_and_keeps_the_che
     checkpoint = run(shapes, tmp_path, "train.max_steps=2")
     before = checkpoint.read_bytes()
 
-    def fails(self, micro_batches):
+    def fails(self, micro_batches, global_step=0):
         raise RuntimeError("[malloc] Unable to allocate 123456789 bytes.")
 
     monkeypatch.setattr(Trainer, "step", fails)

@@ -128,7 +128,7 @@ def test_names_are_hdetr_state_dict_names():
 def test_interface():
     swin = SwinBackbone("swin_tiny", drop_path_rate=0.0)
     assert swin.strides == [8, 16, 32] and swin.num_channels == [192, 384, 768]
-    last = SwinBackbone("swin_large_window12", return_interm_layers=False)
+    last = SwinBackbone("swin_large_window12", maps=1)
     assert last.strides == [32] and last.num_channels == [1536]
     assert backbone_family("swin_tiny") == "swin" and backbone_family("resnet50") == "resnet"
     rates = [block.drop_path.p for layer in SwinBackbone("swin_tiny").body.layers for block in layer.blocks]
@@ -140,7 +140,7 @@ def test_interface():
     swin.set_trainable(True, freeze_stem_and_layer1=True)  # HDETR trains all of Swin: the flag is ignored
     assert len(tree_flatten(swin.trainable_parameters())) == len(tree_flatten(swin.parameters()))
     images, mask = inputs()
-    swin.return_interm_layers = False
+    swin.maps = 1
     ((features, features_mask),) = swin(images, mask)
     assert features.shape == (2, 4, 5, 768) and features_mask.shape == (2, 4, 5)
 

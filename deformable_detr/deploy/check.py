@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..models import post_process
+from ..models.backbones import maps_taken
 
 # Of the largest value (logits, boxes, scores): a wrong export is off by far more; float32 rounding
 # (folded batch norm, other summation orders) reached 4.7e-5 on R50 with random weights (the tests:
@@ -22,10 +23,10 @@ def conv_size(size: int, kernel: int, stride: int, padding: int, dilation: int =
 
 
 def level_sizes(cfg, canvas: tuple) -> list:
-    """[(h, w)] of every feature level on the canvas: strides 8, 16, 32 (16 with DC5), or the last
-    only, then the extra levels' 3x3 stride-2 convolutions (each strided convolution rounds up)."""
-    strides = [8, 16, 16 if cfg.dilation else 32]
-    strides = strides if cfg.num_feature_levels > 1 else strides[-1:]
+    """[(h, w)] of every feature level on the canvas: the backbone's maps taken (strides 8, 16, 32, 16 with DC5; 4
+    before them with 4 maps), or the last only, then the extra levels' 3x3 stride-2 convolutions (each strided
+    convolution rounds up)."""
+    strides = [4, 8, 16, 16 if cfg.dilation else 32][-maps_taken(cfg) :]
     sizes = [tuple(-(-side // stride) for side in canvas) for stride in strides]
     while len(sizes) < cfg.num_feature_levels:
         sizes.append(tuple(conv_size(side, 3, 2, 1) for side in sizes[-1]))

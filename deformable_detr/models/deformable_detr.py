@@ -6,9 +6,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import Config, ModelConfig
+from ..config import ModelConfig
 from .backbone_base import BackboneBase, resize_mask
-from .backbones import build_backbone
 from .box_ops import box_cxcywh_to_xyxy
 from .combinations import GROUPS, check_model
 from .convolution import Conv2d
@@ -16,6 +15,7 @@ from .deformable_transformer import DeformableTransformer, inverse_sigmoid
 from .linear import Linear
 from .position_encoding import PositionEmbeddingSine
 from .precision import GroupNorm, float32_heads, to
+from .query_groups import LEARNED, from_source, query_groups, running, spans
 
 
 class MLP(nn.Module):
@@ -51,25 +51,26 @@ def _sequential(layers, x):
 class DeformableDETR(nn.Module):
     """images (B, H, W, 3) normalised, mask (B, H, W) True on padding -> dict with `pred_logits`
     (B, Q, num_classes), `pred_boxes` (B, Q, 4) normalised cx, cy, w, h, `aux_outputs` (one such dict
-    per earlier decoder layer) and, for two-stage, `enc_outputs` (the encoder's proposals). With the
-    hybrid branch (H-Deformable-DETR's `num_queries_one2many`) and in training, also `one2many`: its
-    queries' `pred_logits`, `pred_boxes` and `aux_outputs`; at inference the branch's queries are not run.
+    per earlier decoder layer) and, for two-stage, `enc_outputs` (the encoder's proposals): the predictions of the
+    detector's queries. The query groups (query_groups.py) that run in training only add theirs under their names,
+    in training: H-Deformable-DETR's hybrid branch's under `one2many` (`pred_logits`, `pred_boxes`,
+    `aux_outputs`); at inference their queries are not run.
 
     Without box refinement the authors share one class head and one box head across decoder layers;
     here they are stored once (`class_embed.0`, `bbox_embed.0`). With refinement every layer has its
     own (plus one for the encoder proposals in two-stage), also used by the decoder to refine.
     `m`, the config's model section: num_classes, num_queries, num_feature_levels, aux_loss, with_box_refine,
-    two_stage, mixed_selection, num_queries_one2many."""
+    two_stage, and what query_groups reads (mixed_selection, num_queries_one2many)."""
 
     def __init__(self, backbone: BackboneBase, transformer: DeformableTransformer, m: ModelConfig):
         super().__init__()
-        hidden_dim, num_classes, num_queries, two_stage = transformer.d_model, m.num_classes, m.num_queries, m.two_stage
+        hidden_dim, num_classes, two_stage = transformer.d_model, m.num_classes, m.two_stage
         check_model(m)  # for a model built here from Python; the commands check it before anything else
-        self.num_queries, self.num_feature_levels = num_queries, m.num_feature_levels
-        self.num_queries_one2many = m.num_queries_one2many
+        self.groups = query_groups(m)
+        self.num_queries, self.num_feature_levels = m.num_queries, m.num_feature_levels
         self.aux_loss, self.with_box_refine, self.two_stage = m.aux_loss, m.with_box_refine, two_stage
         self.backbone = [backbone]  # the authors' Joiner: backbone.0 is the ResNet, backbone.1 the encoding
-        self.position_embedding = PositionEmbeddingSine(hidden_dim // 2)
+        self.position_embedding = self.position_encoding(m)
         self.transformer = transformer
 
         num_layers = len(transformer.decoder.layers)
@@ -77,22 +78,30 @@ class DeformableDETR(nn.Module):
         num_heads = num_pred if m.with_box_refine else 1
         self.class_embed = [ClassHead(hidden_dim, num_classes) for _ in range(num_heads)]
         self.bbox_embed = [MLP(hidden_dim, hidden_dim, 4, 3) for _ in range(num_heads)]
-        if not two_stage:  # every query's position and content
-            self.query_embed = nn.Embedding(num_queries + m.num_queries_one2many, hidden_dim * 2)
-        elif m.mixed_selection:  # contents only
-            self.query_embed = nn.Embedding(num_queries + m.num_queries_one2many, hidden_dim)
+        if learned := from_source(self.groups, LEARNED, "contents"):  # with their positions, or those alone
+            width = hidden_dim * 2 if from_source(self.groups, LEARNED) else hidden_dim
+            self.query_embed = nn.Embedding(learned, width)
+        self.input_proj = self.input_projections(backbone.num_channels, hidden_dim, m.num_feature_levels)
+        self._reset_parameters()
 
-        in_channels = backbone.num_channels
-        self.input_proj = [
+    @staticmethod
+    def position_encoding(m: ModelConfig) -> PositionEmbeddingSine:
+        return PositionEmbeddingSine(m.hidden_dim // 2, m.position_temperature)
+
+    @staticmethod
+    def input_projections(in_channels, hidden_dim: int, levels: int) -> list:
+        """Each backbone map's 1 x 1 convolution and group norm to `hidden_dim`, then the extra levels' 3 x 3
+        stride-2 convolutions from the last map."""
+        projections = [
             [Conv2d(c, hidden_dim, 1), GroupNorm(GROUPS, hidden_dim, pytorch_compatible=True)] for c in in_channels
         ]
         extra_in = in_channels[-1]
-        for _ in range(m.num_feature_levels - len(in_channels)):  # extra levels: 3x3 stride-2 convolutions
-            self.input_proj.append(
+        for _ in range(levels - len(in_channels)):
+            projections.append(
                 [Conv2d(extra_in, hidden_dim, 3, 2, 1), GroupNorm(GROUPS, hidden_dim, pytorch_compatible=True)]
             )
             extra_in = hidden_dim
-        self._reset_parameters()
+        return projections
 
     def _reset_parameters(self):
         bias_value = -math.log((1 - 0.01) / 0.01)  # prior probability 0.01 for every class
@@ -121,7 +130,9 @@ class DeformableDETR(nn.Module):
         self.transformer.encoder.activation_checkpointing = enabled
         self.transformer.decoder.activation_checkpointing = enabled
 
-    def __call__(self, images: mx.array, mask: mx.array) -> dict:
+    def features(self, images: mx.array, mask: mx.array):
+        """The transformer's input: per level the projected map (B, h, w, d), its padding mask (B, h, w) and its
+        position encoding."""
         features = self.backbone[0](images, mask)
         srcs = [_sequential(self.input_proj[level], x) for level, (x, _) in enumerate(features)]
         masks = [m for _, m in features]
@@ -129,20 +140,20 @@ class DeformableDETR(nn.Module):
             srcs.append(_sequential(self.input_proj[level], features[-1][0] if level == len(features) else srcs[-1]))
             masks.append(resize_mask(mask, srcs[-1].shape[1], srcs[-1].shape[2]))
         pos = [to(self.position_embedding(m), src.dtype) for m, src in zip(masks, srcs, strict=True)]
+        return srcs, masks, pos
 
+    def __call__(self, images: mx.array, mask: mx.array) -> dict:
+        groups = running(self.groups, self.training)
         num_layers = len(self.transformer.decoder.layers)
-        queries = self.num_queries + (self.num_queries_one2many if self.training else 0)
+        queries = sum(g.count for g in groups)
         hs, init_reference, references, enc_class, enc_coord = self.transformer(
-            srcs,
-            masks,
-            pos,
+            *self.features(images, mask),
+            groups,
             query_embed=self.query_embed.weight[:queries] if "query_embed" in self else None,
-            num_queries=queries,
             proposal_heads=(self.head(self.class_embed, num_layers), self.head(self.bbox_embed, num_layers))
             if self.two_stage
             else None,
             refine_heads=self.bbox_embed if self.with_box_refine else None,
-            query_groups=(self.num_queries, queries - self.num_queries) if queries > self.num_queries else None,
         )
 
         outputs = []
@@ -156,11 +167,17 @@ class DeformableDETR(nn.Module):
                 delta = mx.concatenate([delta[..., :2] + reference, delta[..., 2:]], -1)
             outputs.append({"pred_logits": logits, "pred_boxes": mx.sigmoid(delta)})
 
-        out = self._predictions(outputs, slice(0, self.num_queries))
-        if queries > self.num_queries:
-            out["one2many"] = self._predictions(outputs, slice(self.num_queries, queries))
+        out = self.group_predictions(outputs, groups)
         if self.two_stage:
             out["enc_outputs"] = {"pred_logits": enc_class, "pred_boxes": mx.sigmoid(enc_coord)}
+        return out
+
+    def group_predictions(self, layers: list[dict], groups) -> dict:
+        """The detector's queries' predictions (the first group's), and every other group's under its name."""
+        at = spans(groups)
+        out = self._predictions(layers, at[groups[0].name])
+        for group in groups[1:]:
+            out[group.name] = self._predictions(layers, at[group.name])
         return out
 
     def _predictions(self, layers: list[dict], queries: slice) -> dict:
@@ -193,10 +210,3 @@ def post_process(outputs: dict, target_sizes, top_k: int = 100) -> list[dict]:
         {"scores": s, "labels": c, "boxes": x, "queries": q}
         for s, c, x, q in zip(scores, labels, boxes, queries, strict=True)
     ]
-
-
-def build_model(cfg: Config) -> DeformableDETR:
-    check_model(cfg.model)  # before any part is built: their own checks would say less
-    model = DeformableDETR(build_backbone(cfg.model), DeformableTransformer(cfg.model), cfg.model)
-    model.set_activation_checkpointing(cfg.train.activation_checkpointing is True)  # auto: the memory check sets it
-    return model

@@ -2,7 +2,6 @@
 box refinement. A port of the authors' `models/deformable_transformer.py`; tensors are batch-first
 and feature maps channels-last."""
 
-import itertools
 import math
 
 import kernels
@@ -15,6 +14,7 @@ from .linear import Linear
 from .ms_deform_attn import MSDeformAttn
 from .position_encoding import sine_embedding
 from .precision import LayerNorm, to, widened
+from .query_groups import LEARNED, PROPOSALS, attention_plan, from_source
 from .recompute import Dropout, checkpointed
 
 
@@ -35,7 +35,8 @@ class MultiheadAttention(nn.Module):
         self.out_proj = Linear(d_model, d_model)
         self.out_proj.bias = mx.zeros((d_model,))
 
-    def __call__(self, query, key, value):
+    def __call__(self, query, key, value, mask=None):
+        """`mask`: None, or an additive mask (Q, K) on the scores (-inf where a query may not see a key)."""
         b, q_len, d = query.shape
         w, bias = self.in_proj_weight, self.in_proj_bias
         q = kernels.linear(query, w[:d], bias[:d])
@@ -47,7 +48,8 @@ class MultiheadAttention(nn.Module):
             return widened(x).reshape(b, -1, self.n_heads, head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = heads(q), heads(k), heads(v)
-        weights = kernels.softmax((q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2))
+        scores = (q * head_dim**-0.5) @ k.transpose(0, 1, 3, 2)
+        weights = kernels.softmax(scores if mask is None else scores + mask)
         out = (weights @ v).transpose(0, 2, 1, 3).reshape(b, q_len, d)
         return self.out_proj(to(out, query.dtype))
 
@@ -124,6 +126,13 @@ class DeformableTransformerEncoder(LayerStack):
         return src
 
 
+def seen(keys, values, spans):
+    """The keys and values of the query spans `spans` (slices), in their order."""
+    if len(spans) == 1:
+        return keys[:, spans[0]], values[:, spans[0]]
+    return mx.concatenate([keys[:, s] for s in spans], 1), mx.concatenate([values[:, s] for s in spans], 1)
+
+
 class DeformableTransformerDecoderLayer(nn.Module):
     def __init__(self, d_model=256, d_ffn=1024, dropout=0.1, n_levels=4, n_heads=8, n_points=4):
         super().__init__()
@@ -133,17 +142,19 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.norm2 = LayerNorm(d_model)
         with_feed_forward(self, d_model, d_ffn, dropout, "norm3")
 
-    def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask, query_groups=None):
-        """`query_groups`: None, or the sizes of consecutive groups of queries that do not see each other in the
-        self-attention (H-Deformable-DETR's hybrid branch: one-to-one, one-to-many). Theirs masks the scores
-        between groups to -inf; attending within each group alone is the same, without the masked scores."""
+    def __call__(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask, attention_plan=None):
+        """`attention_plan`: the self-attention over the query groups (query_groups.attention_plan): None for one
+        group, else each group's queries attend to the keys of the groups it sees, under its mask. H-Deformable-DETR
+        and DINO mask the scores between groups to -inf in one attention; attending over the seen keys alone is the
+        same, without the masked scores."""
         q = k = tgt + query_pos
-        if query_groups is None:
+        if attention_plan is None:
             attended = self.self_attn(q, k, tgt)
         else:
-            bounds = list(itertools.accumulate(query_groups, initial=0))
-            groups = [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-            attended = mx.concatenate([self.self_attn(q[:, g], k[:, g], tgt[:, g]) for g in groups], axis=1)
+            attended = mx.concatenate(
+                [self.self_attn(q[:, queries], *seen(k, tgt, keys), mask) for queries, keys, mask in attention_plan],
+                axis=1,
+            )
         tgt = self.norm2(tgt + self.dropout(attended))
         attended = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
         tgt = self.norm1(tgt + self.dropout(attended))
@@ -167,7 +178,7 @@ class DeformableTransformerDecoder(LayerStack):
         query_pos,
         padding_mask,
         bbox_embed=None,
-        query_groups=None,
+        attention_plan=None,
     ):
         """Returns every layer's output (n_layers, B, Q, d) and reference points (n_layers, B, Q, 2|4).
         With `bbox_embed` (one head per layer) each layer refines the reference boxes it passes on; the
@@ -182,7 +193,7 @@ class DeformableTransformerDecoder(LayerStack):
             tgt = checkpointed(
                 [layer],
                 lambda tgt, pos, points, src, layer=layer: layer(
-                    tgt, pos, points, src, spatial_shapes, padding_mask, query_groups
+                    tgt, pos, points, src, spatial_shapes, padding_mask, attention_plan
                 ),
                 tgt,
                 query_pos,
@@ -207,12 +218,11 @@ class DeformableTransformer(nn.Module):
     def __init__(self, m: ModelConfig):
         """The authors' transformer of the config's model section: `hidden_dim` wide (their d_model), `nheads`
         heads, `enc_layers` and `dec_layers` layers with `dim_feedforward` FFNs, `num_feature_levels` levels
-        sampled at `enc_n_points` / `dec_n_points`; with `two_stage`, as many proposals as queries; with
-        `mixed_selection` (two-stage), the decoder's content queries learned, not made from the proposals;
-        `look_forward_twice`, the decoder's (DeformableTransformerDecoder)."""
+        sampled at `enc_n_points` / `dec_n_points`; with `two_stage`, the proposals' parts (the queries' sources are
+        the query groups': query_groups.py); `look_forward_twice`, the decoder's (DeformableTransformerDecoder)."""
         super().__init__()
         d_model, levels = m.hidden_dim, m.num_feature_levels
-        self.d_model, self.two_stage, self.mixed_selection = d_model, m.two_stage, m.two_stage and m.mixed_selection
+        self.d_model, self.two_stage = d_model, m.two_stage
         common = dict(d_model=d_model, d_ffn=m.dim_feedforward, dropout=m.dropout, n_levels=levels, n_heads=m.nheads)
         self.encoder = DeformableTransformerEncoder(m.enc_layers, n_points=m.enc_n_points, **common)
         self.decoder = DeformableTransformerDecoder(
@@ -288,14 +298,13 @@ class DeformableTransformer(nn.Module):
         embedded = sine_embedding(mx.sigmoid(proposals) * scale, self.d_model // 2, temperature)
         return embedded.reshape(*proposals.shape[:2], -1)
 
-    def two_stage_queries(self, memory, mask_flatten, spatial_shapes, proposal_heads, num_queries, query_embed):
-        """The encoder's proposals scored by `proposal_heads`, the top `num_queries` made the decoder's queries
-        (contents `query_embed` with mixed selection) -> (tgt, query_pos, reference points (B, Q, 4), the
-        proposals' class logits, their box logits)."""
-        b = memory.shape[0]
-        if num_queries > memory.shape[1]:
+    def proposals(self, memory, mask_flatten, spatial_shapes, proposal_heads, count: int):
+        """The encoder's proposals scored by `proposal_heads` (class, box) -> (their class logits (B, S, C), their
+        box logits (B, S, 4), the `count` best (B, count), best first); the best by the class head's first logit,
+        the authors' (DINO's: by its best class)."""
+        if count > memory.shape[1]:
             raise ValueError(
-                f"two-stage takes its {num_queries} queries from the encoder's proposals, one per feature-map pixel: "
+                f"two-stage takes its {count} queries from the encoder's proposals, one per feature-map pixel: "
                 f"{memory.shape[1]} at {spatial_shapes[0][0] * 8} x {spatial_shapes[0][1] * 8} px; the images must be "
                 "larger"
             )
@@ -303,35 +312,15 @@ class DeformableTransformer(nn.Module):
         class_head, box_head = proposal_heads
         enc_class = class_head(output_memory)
         enc_coord = box_head(output_memory) + proposals
-        top = self.top_proposals(enc_class[..., 0], num_queries)
-        top_coords = mx.stop_gradient(mx.take_along_axis(enc_coord, top[..., None], axis=1))
-        reference_points = mx.sigmoid(top_coords)
-        embedded = to(self.proposal_pos_embed(top_coords), memory.dtype)
-        query_pos, tgt = mx.split(self.pos_trans_norm(self.pos_trans(embedded)), 2, -1)
-        if self.mixed_selection:  # the proposals give the positions only
-            tgt = mx.broadcast_to(query_embed[None], (b, *query_embed.shape)).astype(tgt.dtype)
-        return tgt, query_pos, reference_points, enc_class, enc_coord
+        return enc_class, enc_coord, self.top_proposals(self.proposal_score(enc_class), count)
 
-    def __call__(
-        self,
-        srcs,
-        masks,
-        pos_embeds,
-        query_embed=None,
-        num_queries=None,
-        proposal_heads=None,
-        refine_heads=None,
-        query_groups=None,
-    ):
-        """srcs, pos_embeds: per level (B, h, w, d); masks: per level (B, h, w). A single stage needs
-        `query_embed` (Q, 2d), the queries' positions and contents. Two-stage needs `num_queries` Q and
-        `proposal_heads`, the (class, box) heads that score the encoder's proposals: the top Q become the
-        queries, their contents `query_embed` (Q, d) with mixed selection. `refine_heads`, one box
-        head per decoder layer, turns on box refinement; `query_groups` (sizes summing to Q)
-        keeps the hybrid branch's queries apart in the decoder's self-attention.
+    @staticmethod
+    def proposal_score(enc_class):
+        return enc_class[..., 0]
 
-        Returns decoder outputs (n_layers, B, Q, d), initial reference points (B, Q, 2|4), every
-        layer's reference points, and for two-stage the encoder's class logits and box logits."""
+    def encode(self, srcs, masks, pos_embeds):
+        """srcs, pos_embeds: per level (B, h, w, d); masks: per level (B, h, w) -> the encoder's memory (B, S, d),
+        the flat padding mask (B, S), the levels' (h, w) and valid ratios (B, n_levels, 2)."""
         spatial_shapes = tuple((src.shape[1], src.shape[2]) for src in srcs)
         b, d = srcs[0].shape[0], self.d_model
         src_flatten = mx.concatenate([src.reshape(b, -1, d) for src in srcs], 1)
@@ -340,16 +329,30 @@ class DeformableTransformer(nn.Module):
             [pos.reshape(b, -1, d) + self.level_embed[level] for level, pos in enumerate(pos_embeds)], 1
         )
         valid_ratios = mx.stack([self.valid_ratios(mask) for mask in masks], 1)  # (B, n_levels, 2)
-
         memory = self.encoder(src_flatten, spatial_shapes, valid_ratios, pos_flatten, mask_flatten)
+        return memory, mask_flatten, spatial_shapes, valid_ratios
 
-        if self.two_stage:
-            queries = self.two_stage_queries(
-                memory, mask_flatten, spatial_shapes, proposal_heads, num_queries, query_embed
-            )
-            tgt, query_pos, reference_points, enc_class, enc_coord = queries
+    def __call__(self, srcs, masks, pos_embeds, groups, query_embed=None, proposal_heads=None, refine_heads=None):
+        """srcs, pos_embeds: per level (B, h, w, d); masks: per level (B, h, w). `groups`, the query groups that run
+        (query_groups.py), say where the decoder's queries come from: learned positions and contents from
+        `query_embed` (Q, 2d); positions from the encoder's proposals (two-stage), scored by `proposal_heads` (the
+        (class, box) heads), the best Q taken, with contents made from them, or learned in `query_embed` (Q, d)
+        (mixed selection). `refine_heads`, one box head per decoder layer, turns on box refinement.
+
+        Returns decoder outputs (n_layers, B, Q, d), initial reference points (B, Q, 2|4), every
+        layer's reference points, and for two-stage the encoder's class logits and box logits."""
+        memory, mask_flatten, spatial_shapes, valid_ratios = self.encode(srcs, masks, pos_embeds)
+        b = memory.shape[0]
+        enc_class = enc_coord = None
+        if proposed := from_source(groups, PROPOSALS):
+            enc_class, enc_coord, top = self.proposals(memory, mask_flatten, spatial_shapes, proposal_heads, proposed)
+            top_coords = mx.stop_gradient(mx.take_along_axis(enc_coord, top[..., None], axis=1))
+            reference_points = mx.sigmoid(top_coords)
+            embedded = to(self.proposal_pos_embed(top_coords), memory.dtype)
+            query_pos, tgt = mx.split(self.pos_trans_norm(self.pos_trans(embedded)), 2, -1)
+            if from_source(groups, LEARNED, "contents"):  # mixed selection: the proposals give the positions only
+                tgt = mx.broadcast_to(query_embed[None], (b, *query_embed.shape)).astype(tgt.dtype)
         else:
-            enc_class = enc_coord = None
             query_pos, tgt = mx.split(query_embed, 2, -1)
             query_pos = mx.broadcast_to(query_pos[None], (b, *query_pos.shape))
             tgt = mx.broadcast_to(tgt[None], (b, *tgt.shape))
@@ -364,6 +367,6 @@ class DeformableTransformer(nn.Module):
             query_pos,
             mask_flatten,
             refine_heads,
-            query_groups,
+            attention_plan(groups),
         )
         return hs, reference_points, references, enc_class, enc_coord

@@ -11,20 +11,22 @@ import mlx.nn as nn
 class PositionEmbeddingSine(nn.Module):
     """(B, h, w) padding mask -> (B, h, w, 2 * num_pos_feats), channels [y features, x features].
 
-    As the authors' (Deformable DETR's variant of DETR's): positions are pixel centres (cumsum - 0.5)
-    divided by the unpadded extent, times `scale`."""
+    As the authors' (Deformable DETR's variant of DETR's): positions are pixel centres (cumsum - `offset`, 0.5)
+    divided by the unpadded extent, times `scale`. DINO's (PositionEmbeddingSineHW): offset 0, temperature 20."""
 
-    def __init__(self, num_pos_feats: int = 128, temperature: float = 10000, scale: float = 2 * math.pi):
+    def __init__(
+        self, num_pos_feats: int = 128, temperature: float = 10000, scale: float = 2 * math.pi, offset: float = 0.5
+    ):
         super().__init__()
-        self.num_pos_feats, self.temperature, self.scale = num_pos_feats, temperature, scale
+        self.num_pos_feats, self.temperature, self.scale, self.offset = num_pos_feats, temperature, scale, offset
 
     def __call__(self, mask: mx.array) -> mx.array:
         not_mask = (~mask).astype(mx.float32)
         y_embed = mx.cumsum(not_mask, axis=1)
         x_embed = mx.cumsum(not_mask, axis=2)
         eps = 1e-6
-        y_embed = (y_embed - 0.5) / (y_embed[:, -1:, :] + eps) * self.scale
-        x_embed = (x_embed - 0.5) / (x_embed[:, :, -1:] + eps) * self.scale
+        y_embed = (y_embed - self.offset) / (y_embed[:, -1:, :] + eps) * self.scale
+        x_embed = (x_embed - self.offset) / (x_embed[:, :, -1:] + eps) * self.scale
         return mx.concatenate(
             [
                 sine_embedding(y_embed, self.num_pos_feats, self.temperature),

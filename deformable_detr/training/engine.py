@@ -137,7 +137,7 @@ def train_step(trainer: Trainer, micro_batches: list, run: RunDirectory, progres
     seed_step(trainer.cfg.seed, progress.global_step)
     started = time.perf_counter()
     try:
-        losses, grad_norm = trainer.step(micro_batches)
+        losses, grad_norm = trainer.step(micro_batches, progress.global_step)
     except RuntimeError as error:  # Metal's allocation failure (the memory check rules the CPU's out)
         if not is_out_of_memory(error):
             raise

@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from ..data.transforms import resized_shape
 from ..errors import CommandError
+from ..models.query_groups import PROPOSALS, from_source
 
 GIB = 1024**3
 
@@ -123,7 +124,7 @@ def estimate_step_memory(trainer, batch: int, height: int, width: int, num_class
     # two-stage takes its queries (H-Deformable-DETR's hybrid branch's too) from the encoder's tokens, about 4/3
     # per 8 x 8 pixels: a probe must have as many
     model = trainer.model
-    queries = model.num_queries + model.num_queries_one2many if model.two_stage else 0
+    queries = from_source(model.groups, PROPOSALS)
     smallest = max(64, math.ceil((queries * 48) ** 0.5))
     probes = []
     for factor in factors:

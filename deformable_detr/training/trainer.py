@@ -7,15 +7,23 @@ import re
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from ..config import Config
 from ..errors import CommandError, UsageError
 from ..models import build_criterion
+from ..models.denoising import DenoisingQueries, denoising_queries, draw_noise
 from ..models.precision import DTYPES, computing_in, to, widened
+from ..models.query_groups import KNOWN
 from .ema import EMA
 from .memory_plan import plan_memory
 from .optimizer import build_optimizer, clip_and_update, freeze_for_training
+
+BRANCHES = {  # a group's losses, as the gradient check names them
+    "one2many": "the hybrid branch's losses (_one2many)",
+    "denoising": "the denoising queries' losses (_dn)",
+}
 
 
 class GradientCheckError(CommandError):
@@ -86,7 +94,11 @@ class Trainer:
     (`sampling_offsets_grad_norms`) and, with `train.check_sampling_offsets`, stops with
     GradientCheckError if one is zero or not finite: that layer could never learn where to look. With
     H-Deformable-DETR's hybrid branch it checks the gradient of the branch's losses alone as well (one more
-    forward and backward on the first micro-batch), so that neither branch's queries look in vain."""
+    forward and backward on the first micro-batch), so that neither branch's queries look in vain; so with every
+    query group that runs in training only (DINO's denoising: query_groups.py).
+
+    With DINO's denoising group, each micro-batch's noised copies of its targets (models/denoising.py) are drawn
+    from a generator seeded by the run's seed, the global step and the micro-batch: a resumed run draws the same."""
 
     def __init__(self, model, criterion, optimizer, cfg: Config, group=None):
         self.model, self.criterion, self.optimizer, self.cfg = model, criterion, optimizer, cfg
@@ -97,8 +109,10 @@ class Trainer:
         self.loss_and_grad = nn.value_and_grad(model, self._loss)
         self.steps = 0  # taken by this trainer
         self.sampling_offsets_grad_norms = None  # of the first step, by layer
-        self.branch_grad_norms = None  # the hybrid branch's losses alone: of the first step, by layer
-        self.branch_loss_and_grad = nn.value_and_grad(model, self._branch_loss)
+        # each further group's losses alone: {group name: norms by layer}, of the first step
+        self.branch_grad_norms = {}
+        self.branches = [g for g in model.groups[1:] if g.training_only]
+        self.denoising = next((g for g in self.branches if g.assignment == KNOWN), None)
 
     @classmethod
     def from_config(cls, model, cfg: Config, image_sizes, group=None, log=None):
@@ -123,19 +137,32 @@ class Trainer:
         """A context in which the model holds the weights to evaluate: the EMA where there is one."""
         return self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
 
-    def _loss(self, images, mask, targets, num_boxes):
+    def denoising_queries(self, targets, seed) -> DenoisingQueries | None:
+        """The micro-batch's denoising queries, their noise drawn from a generator seeded by `seed`; None without
+        the group."""
+        if self.denoising is None:
+            return None
+        m = self.cfg.model
+        noise = draw_noise(
+            np.random.default_rng(seed), targets, m.dn_number, m.num_classes, m.dn_label_noise_ratio,
+            m.dn_box_noise_scale,
+        )  # fmt: skip
+        return denoising_queries(targets, m.dn_number, noise, m.dn_label_noise_ratio, m.dn_box_noise_scale)
+
+    def _loss(self, images, mask, targets, num_boxes, seed=(0,)):
         dtype = DTYPES[self.cfg.train.precision]
+        denoising = self.denoising_queries(targets, seed)
         with computing_in(self.model, dtype):
-            outputs = self.model(to(images, dtype), mask)
+            outputs = self.model(to(images, dtype), mask, **({"denoising": denoising} if denoising else {}))
         outputs = tree_map(widened, outputs)  # the matching and the losses in float32
-        losses = self.criterion(outputs, targets, num_boxes)
+        losses = self.criterion(outputs, targets, num_boxes, denoising)
         return self.criterion.total(losses), losses
 
-    def _branch_loss(self, images, mask, targets, num_boxes):
-        """The hybrid branch's weighted losses alone (the `_one2many` terms)."""
-        _, losses = self._loss(images, mask, targets, num_boxes)
+    def _branch_loss(self, images, mask, targets, num_boxes, seed, suffix):
+        """The weighted losses of the query group whose loss names end in `suffix`, alone."""
+        _, losses = self._loss(images, mask, targets, num_boxes, seed)
         weights = self.criterion.weight_dict
-        return sum(value * weights[k] for k, value in losses.items() if k.endswith("_one2many") and k in weights)
+        return sum(value * weights[k] for k, value in losses.items() if k.endswith(suffix) and k in weights)
 
     def num_boxes(self, targets) -> float:
         """Target boxes per process, averaged over processes (the authors' normalisation)."""
@@ -144,18 +171,24 @@ class Trainer:
             count = mx.distributed.all_sum(count, group=self.group) / self.world_size
         return count.item()  # the criterion divides by at least 1 (the hybrid branch by k times this)
 
-    def step(self, micro_batches) -> tuple[dict, float]:
+    def step(self, micro_batches, global_step: int = 0) -> tuple[dict, float]:
         """One optimizer step over this process's share of the batch, given as micro-batches of
         (images, mask, targets): their gradients accumulate, each loss normalised by the boxes of the
         whole batch (averaged over processes, as the authors'), so that the step equals one over the
-        whole batch at once. -> (the losses as floats, the gradients' global norm before clipping)."""
+        whole batch at once. `global_step` seeds the denoising noise. -> (the losses as floats, the gradients'
+        global norm before clipping)."""
         images_in_step = sum(len(targets) for _, _, targets in micro_batches)
         num_boxes = self.num_boxes([target for _, _, targets in micro_batches for target in targets])
-        if self.steps == 0 and self.model.num_queries_one2many:  # before the first update, as the step's gradient
-            self.branch_grad_norms = self.branch_norms(*micro_batches[0], num_boxes)
+        seeds = [(self.cfg.seed, global_step, i) for i in range(len(micro_batches))]
+        if self.steps == 0:  # before the first update, as the step's gradient
+            self.branch_grad_norms = {
+                group.name: self.branch_norms(*micro_batches[0], num_boxes, seeds[0], group.loss_suffix)
+                for group in self.branches
+            }
         grads = total = losses = None
-        for images, mask, targets in micro_batches:
-            (part_total, parts), part_grads = self.loss_and_grad(mx.array(images), mx.array(mask), targets, num_boxes)
+        for (images, mask, targets), seed in zip(micro_batches, seeds, strict=True):
+            arrays = mx.array(images), mx.array(mask)
+            (part_total, parts), part_grads = self.loss_and_grad(*arrays, targets, num_boxes, seed)
             # the losses add up; the logged-only errors (class, cardinality) are means over the images
             share = len(targets) / images_in_step
             parts = {k: v if k in self.criterion.weight_dict else v * share for k, v in parts.items()}
@@ -169,9 +202,11 @@ class Trainer:
             mx.eval(grads, total, losses)
         return self._update(grads, total, losses)
 
-    def branch_norms(self, images, mask, targets, num_boxes) -> dict:
-        """sampling_offsets_grad_norms of the hybrid branch's losses alone on one micro-batch (nothing updated)."""
-        _, grads = self.branch_loss_and_grad(mx.array(images), mx.array(mask), targets, num_boxes)
+    def branch_norms(self, images, mask, targets, num_boxes, seed, suffix) -> dict:
+        """sampling_offsets_grad_norms of a query group's losses alone (those ending in `suffix`) on one
+        micro-batch (nothing updated)."""
+        loss_and_grad = nn.value_and_grad(self.model, self._branch_loss)
+        _, grads = loss_and_grad(mx.array(images), mx.array(mask), targets, num_boxes, seed, suffix)
         norms = sampling_offsets_grad_norms(grads)
         mx.eval(norms)
         return {k: v.item() for k, v in norms.items()}
@@ -191,8 +226,8 @@ class Trainer:
             self.sampling_offsets_grad_norms = {k: v.item() for k, v in first_norms.items()}
             if self.cfg.train.check_sampling_offsets:
                 check_sampling_offsets(self.sampling_offsets_grad_norms)
-            if self.cfg.train.check_sampling_offsets and self.branch_grad_norms is not None:
-                check_sampling_offsets(self.branch_grad_norms, "the hybrid branch's losses (_one2many)")
+            for group in self.branches if self.cfg.train.check_sampling_offsets else ():
+                check_sampling_offsets(self.branch_grad_norms[group.name], BRANCHES[group.name])
         values = {k: v.item() for k, v in losses.items()}
         values["loss"] = total.item()
         if self.world_size > 1:  # report the mean over processes

@@ -7,6 +7,8 @@ with a bias (float32 rounding differs from the MLX model's, well inside the test
 import numpy as np
 
 from ...models.backbone import ARCHITECTURES
+from ...models.backbone_base import stages_returned
+from ...models.backbones import maps_taken
 from ..check import conv_size
 from .builder import Graph
 
@@ -50,13 +52,14 @@ def block(g: Graph, x: str, prefix: str, bottleneck: bool, stride: int, dilation
 
 
 def resnet(g: Graph, images: str, model_cfg, size: tuple) -> list:
-    """images (N, 3, H, W) -> [(features (N, C, h, w), (h, w))] of layer2..layer4, as ResNet."""
+    """images (N, 3, H, W) -> [(features (N, C, h, w), (h, w))] of the stages the model returns (layer2..layer4;
+    layer1 too with 4 maps), as ResNet."""
     kind, depths = ARCHITECTURES[model_cfg.backbone]
     h, w = (conv_size(s, 7, 2, 3) for s in size)
     x = g.Relu(conv(g, images, f"{BODY}.conv1", 2, 3, bn=f"{BODY}.bn1"))
     x = g.MaxPool(x, kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
     h, w = conv_size(h, 3, 2, 1), conv_size(w, 3, 2, 1)
-    outputs, current_dilation = [], 1
+    outputs, current_dilation, returned = [], 1, stages_returned(maps_taken(model_cfg))
     for stage, depth in enumerate(depths):
         stride = 1 if stage == 0 else 2
         previous_dilation = current_dilation
@@ -67,7 +70,7 @@ def resnet(g: Graph, images: str, model_cfg, size: tuple) -> list:
             dilation = previous_dilation if first else current_dilation
             x = block(g, x, f"{BODY}.layer{stage + 1}.{i}", kind == "bottleneck", stride if first else 1, dilation)
         h, w = conv_size(h, 3, stride, 1), conv_size(w, 3, stride, 1)
-        if stage >= 1:
+        if stage in returned:
             outputs.append((x, (h, w)))
     return outputs
 
