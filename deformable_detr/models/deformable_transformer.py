@@ -312,7 +312,8 @@ class DeformableTransformer(nn.Module):
         class_head, box_head = proposal_heads
         enc_class = class_head(output_memory)
         enc_coord = box_head(output_memory) + proposals
-        return enc_class, enc_coord, self.top_proposals(self.proposal_score(enc_class), count)
+        # the ranking is no function to differentiate (DINO gathers through it: its chosen proposals' losses)
+        return enc_class, enc_coord, mx.stop_gradient(self.top_proposals(self.proposal_score(enc_class), count))
 
     @staticmethod
     def proposal_score(enc_class):
