@@ -197,8 +197,8 @@ def test_losses_match_theirs(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gradients_match_theirs(variant):
     """sampling_offsets and attention_weights of encoder and decoder layers 0 and 5, the label embedding, the learned
-    contents, the query positions' head and the heads, to 1e-3 of each tensor's largest entry (sampling_offsets: but
-    a few rows, to 3e-3)."""
+    contents, the query positions' head and the heads, to 1e-3 of each tensor's largest entry and 1e-3 relative
+    (test_hdetr's; sampling_offsets: but a few rows, to 3 times that); every gradient's norm to 1e-3."""
     *_, grads, _, ref, _ = run(variant)
     rows = manifest()["variants"][variant]["sampled_rows"]
     for name in (k.removeprefix("grad.") for k in ref if k.startswith("grad.")):
@@ -207,15 +207,18 @@ def test_gradients_match_theirs(variant):
             ours = ours[rows[name]]
         theirs = ref["grad." + name]
         assert np.abs(theirs).max() > 0, name
-        error = np.abs(ours - theirs) / np.abs(theirs).max()
+        allowance = 1e-3 * np.abs(theirs).max() + 1e-3 * np.abs(theirs)  # test_hdetr's: atol and rtol 1e-3
+        share = np.abs(ours - theirs) / allowance
         if ".sampling_offsets." not in name:
-            assert error.max() <= 1e-3, f"{name}: {error.max():.2e}"
+            assert share.max() <= 1, f"{name}: {share.max():.0%} of the allowance"
             continue
         # a sampling point on a pixel's edge takes the one-sided derivative of the side float noise puts it on: one
-        # output row of a layer (one head, level and point) differs by a jump, the rest hold 1e-3. Measured: R50
-        # 5-scale decoder layer 0 row 94 at 2.2e-3 (the next row 1.4e-4), Swin-T encoder layer 0 rows 227, 150 and
-        # 28 at 2.7e-3, 1.4e-3 and 1.1e-3; R50 4-scale all within 5.3e-4
-        assert error.max() <= 3e-3 and (error > 1e-3).mean() <= 0.02, f"{name}: {error.max():.2e}"
+        # output row of a layer (one head, level and point) differs by a jump, the rest hold the allowance. Measured
+        # (over the tensor's largest entry): R50 5-scale decoder layer 0 row 94 at 2.2e-3 (the next row 1.4e-4),
+        # Swin-T encoder layer 0 rows 227, 150 and 28 at 2.7e-3, 1.4e-3 and 1.1e-3; R50 4-scale all within 5.3e-4
+        assert share.max() <= 3 and (share > 1).mean() <= 0.02, f"{name}: {share.max():.0%} of the allowance"
+    for name, norm in manifest()["variants"][variant]["grad_norms"].items():
+        assert float(np.linalg.norm(np.array(grads[name]))) == pytest.approx(norm, rel=1e-3), name
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
