@@ -138,7 +138,7 @@ class SetCriterion:
         flat, query = denoising.assigned()
         query = mx.array(query)
         counted = mx.array(denoising.counted)
-        num_boxes = num_boxes * denoising.copies
+        num_boxes = num_boxes * max(denoising.copies, 1)  # no copies (no targets): every term 0, as DINO's
         losses = {}
         for i, layer in enumerate([*outputs.get("aux_outputs", []), outputs]):
             suffix = "" if i == len(outputs.get("aux_outputs", [])) else f"_{i}"
