@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 CANVAS = (96, 128)
 SIZES = ((72, 100), (90, 60), (50, 50))  # landscape, portrait, square: padding below and to the right of each
 VARIANTS = ["r50", "r50_single_scale", "r50_single_scale_dc5", "r50_box_refine", "r50_two_stage", "hdetr_r50_12ep"]
+DINO_VARIANTS = ["dino_r50_4scale_12ep", "dino_r50_5scale_12ep"]  # 4 levels; 5 with the stride-4 map
 SMALL = [
     *("model.backbone=resnet18", "model.backbone_width=16", "model.hidden_dim=64", "model.nheads=4"),
     *("model.enc_layers=2", "model.dec_layers=2", "model.dim_feedforward=64", "model.num_queries=12"),
@@ -38,11 +39,19 @@ def small_model(variant: str, padding_proposals_low: bool = True, seed: int = 0)
         )
         moved.append((key, mx.array(value.astype(np.float32))))
     model.load_weights(moved)
-    if cfg.model.two_stage and padding_proposals_low:  # the zeroed memory's LayerNorm output against class 0's row
+    if cfg.model.two_stage and padding_proposals_low:  # the zeroed memory's LayerNorm output against the ranking's
         params = dict(tree_flatten(model.parameters()))
-        row = np.array(params["transformer.enc_output_norm.weight"]) * np.array(params["class_embed.2.weight"])[0]
+        row = np.array(params["transformer.enc_output_norm.weight"]) * ranking_row(cfg.model, params)
         model.load_weights([("transformer.enc_output.bias", mx.array(-row / np.linalg.norm(row)))], strict=False)
     return model, cfg
+
+
+def ranking_row(m, params: dict) -> np.ndarray:
+    """What the two-stage ranking scores a proposal's memory by: class 0's row of the proposal class head (the
+    authors'), or every class's row of the encoder's own head summed (DINO's, which ranks by the best class)."""
+    if m.architecture == "dino":
+        return np.array(params["transformer.enc_out_class_embed.weight"]).sum(0)
+    return np.array(params["class_embed.2.weight"])[0]
 
 
 def weights_of(model) -> dict:

@@ -18,6 +18,17 @@ from ..models.backbones import maps_taken
 TOLERANCE = 1e-3
 
 
+def detections_kept(m, top_k: int) -> int:
+    """How many detections a post-processed export gives an image: the best `top_k` (query, class) pairs of the
+    model section `m`'s, or every pair where there are fewer (as post_process)."""
+    return min(top_k, m.num_queries * m.num_classes)
+
+
+def kept_in_words(m, top_k: int) -> str:
+    """What an export's summary says of its post-processing."""
+    return f"it keeps an image's best {detections_kept(m, top_k)} (query, class) pairs (evaluation.top_k {top_k})"
+
+
 def conv_size(size: int, kernel: int, stride: int, padding: int, dilation: int = 1) -> int:
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
@@ -74,10 +85,10 @@ def detection_difference(ours: dict, theirs: dict, image: int) -> float:
     return max(worst, relative_difference(np.array(ours["boxes"])[clear], theirs["boxes"][image][clear]))
 
 
-def differences(model, canvas: tuple, batch: int, postprocess: bool, run) -> tuple:
+def differences(model, canvas: tuple, batch: int, postprocess: bool, run, top_k: int = 100) -> tuple:
     """Run an exported file (`run`: its inputs, numpy arrays by name -> its outputs, a list) and the MLX
-    `model` on the same random images. -> (their largest difference, relative to the largest value;
-    what was compared, in words)."""
+    `model` on the same random images (with `postprocess`, post_process's `top_k` detections). -> (their largest
+    difference, relative to the largest value; what was compared, in words)."""
     images, mask = check_images(canvas, batch)
     inputs = {"pixel_values": images.transpose(0, 3, 1, 2).copy(), "pixel_mask": (~mask).astype(np.int64)}
     outputs = model(mx.array(images), mx.array(mask))
@@ -85,7 +96,7 @@ def differences(model, canvas: tuple, batch: int, postprocess: bool, run) -> tup
         sizes = np.stack([(~mask).any(2).sum(1), (~mask).any(1).sum(1)], -1) * 2  # "original" images twice as large
         inputs["target_sizes"] = sizes.astype(np.int64)
         theirs = dict(zip(("scores", "labels", "boxes"), run(inputs), strict=True))
-        ours = post_process(outputs, sizes.tolist())
+        ours = post_process(outputs, sizes.tolist(), top_k)
         return max(detection_difference(o, theirs, i) for i, o in enumerate(ours)), "scores and boxes"
     ours = [np.array(outputs["pred_logits"]), np.array(outputs["pred_boxes"])]
     worst = max(relative_difference(o, t) for o, t in zip(ours, run(inputs), strict=True))

@@ -10,7 +10,8 @@ kernels and every `mx.custom_function` would not serialize), the numbers the sam
 named and shaped as the ONNX file's: pixel_values (N, 3, H, W) float32 normalised, pixel_mask
 (N, H, W) int64, 1 on the image -> (logits (N, Q, classes), pred_boxes (N, Q, 4) cx, cy, w, h in
 [0, 1]); with `postprocess` also target_sizes (N, 2) int64 (height, width) -> (scores (N, K),
-labels (N, K) int64, boxes (N, K, 4) x0, y0, x1, y1 in pixels), the top K = min(100, Q * classes).
+labels (N, K) int64, boxes (N, K, 4) x0, y0, x1, y1 in pixels), the top K = min(evaluation.top_k,
+Q * classes) (100; DINO's configs 300, its num_select).
 The file's metadata (`mx.import_function(path, return_metadata=True)`, C++ `.metadata()`) is JSON:
 {"canvas": [H, W], "batch": N, "inputs": [...], "outputs": [...], "num_classes": C}.
 
@@ -31,7 +32,7 @@ import numpy as np
 from ..errors import CommandError, UsageError
 from ..models import post_process
 from ..weights.files import atomic_write
-from .check import TOLERANCE, check_canvas, differences
+from .check import TOLERANCE, check_canvas, differences, kept_in_words
 
 # Runs in its own process: argv = the file, its inputs (.safetensors), where to write its outputs.
 # It imports only mlx, and says so, as a user's process without this package would.
@@ -49,14 +50,15 @@ OUTPUTS = ("logits", "pred_boxes")
 DETECTIONS = ("scores", "labels", "boxes")
 
 
-def canvas_function(model, postprocess: bool):
-    """The function the file holds: keyword inputs as the ONNX file's, a tuple of outputs."""
+def canvas_function(model, postprocess: bool, top_k: int = 100):
+    """The function the file holds: keyword inputs as the ONNX file's, a tuple of outputs (with `postprocess`, an
+    image's `top_k` best detections)."""
 
     def forward(pixel_values, pixel_mask, target_sizes=None):
         outputs = model(pixel_values.transpose(0, 2, 3, 1), pixel_mask == 0)
         if not postprocess:
             return outputs["pred_logits"], outputs["pred_boxes"]
-        detections = post_process(outputs, target_sizes)
+        detections = post_process(outputs, target_sizes, top_k)
         scores, labels, boxes = (mx.stack([d[name] for d in detections]) for name in DETECTIONS)
         return scores, labels.astype(mx.int64), boxes  # int64 labels, as the ONNX graph's
 
@@ -97,9 +99,9 @@ def run_file(path: Path, inputs: dict) -> list:
         return [np.array(outputs[str(i)]) for i in range(len(outputs))]
 
 
-def compare(path: Path, model, canvas: tuple, batch: int, postprocess: bool) -> tuple:
+def compare(path: Path, model, canvas: tuple, batch: int, postprocess: bool, top_k: int = 100) -> tuple:
     """The file (`run_file`) and the model on the same random images (`check.differences`)."""
-    worst, names = differences(model, canvas, batch, postprocess, lambda inputs: run_file(path, inputs))
+    worst, names = differences(model, canvas, batch, postprocess, lambda inputs: run_file(path, inputs), top_k)
     where = "mx.import_function in a process with only mlx"
     return worst, f"{where}: its {names} within {worst:.1e} of the largest value of ours"
 
@@ -115,17 +117,19 @@ def export_mlx(model, cfg, dst: Path, size=None, batch_size: int = 1, postproces
     if model.training:
         raise ValueError("export_mlx: the model is in training mode; call model.eval() first")
     mx.eval(model.parameters())  # weights just loaded are lazy reads of their file (`Load` does not serialize)
-    forward, inputs = canvas_function(model, postprocess), example_inputs(canvas, batch, postprocess)
+    top_k = cfg.evaluation.top_k
+    forward, inputs = canvas_function(model, postprocess, top_k), example_inputs(canvas, batch, postprocess)
     about = metadata(canvas, batch, postprocess, cfg.model.num_classes)
     with atomic_write(dst) as tmp:
         with kernels.export_mode():
             mx.export_function(str(tmp), forward, metadata=about, **inputs)
-        worst, checked = compare(tmp, model, canvas, batch, postprocess)
+        worst, checked = compare(tmp, model, canvas, batch, postprocess, top_k)
         if not worst <= TOLERANCE:
             raise CommandError(f"{dst}: {checked}, over {TOLERANCE:g}: the export is wrong, not written")
         mib = tmp.stat().st_size / 2**20
     outputs = ", ".join(DETECTIONS if postprocess else OUTPUTS)
+    kept = f"; {kept_in_words(cfg.model, top_k)}" if postprocess else ""
     return (
         f"wrote {dst}: {mib:.1f} MiB, MLX {mx.__version__}, canvas {canvas[0]} x {canvas[1]}, batch {batch}, "
-        f"inputs {', '.join(inputs)}, outputs {outputs}; {checked}"
+        f"inputs {', '.join(inputs)}, outputs {outputs}; {checked}{kept}"
     )

@@ -5,11 +5,10 @@ backbone_base.resize_mask, position_encoding.py and DeformableTransformer.valid_
 A level's mask here is `not_mask` (float, 1 on the image, 0 on padding), transformers' convention
 and what the position encoding sums."""
 
-import math
-
 import numpy as np
 
 from ...models.backbone_base import nearest_indices
+from ...models.position_encoding import PositionEmbeddingSine
 from .builder import Graph
 
 
@@ -34,17 +33,19 @@ def sine(g: Graph, positions: str, num_feats: int, temperature: float = 10000) -
     return g.Where(odd, g.Cos(angles), g.Sin(angles))
 
 
-def position_embedding(g: Graph, mask: str, hw: tuple, d_model: int) -> str:
-    """A level's (N, h, w) not_mask -> (N, h * w, d_model): [y features, x features] of pixel
-    centres normalised by the unpadded extent, times 2 pi (PositionEmbeddingSine)."""
-    eps, scale, tokens = 1e-6, 2 * math.pi, hw[0] * hw[1]
+def position_embedding(g: Graph, mask: str, hw: tuple, encoding: PositionEmbeddingSine) -> str:
+    """A level's (N, h, w) not_mask -> (N, h * w, 2 num_pos_feats): [y features, x features] of pixel
+    positions (cumsum - offset) normalised by the unpadded extent, times the scale: the model's `encoding`'s
+    (the authors' offset 0.5 and temperature 10000, DINO's 0 and 20)."""
+    eps, tokens = 1e-6, hw[0] * hw[1]
     embedded = []
     for axis in (1, 2):
         cumulative = g.CumSum(mask, g.ints(axis, "axis"))
         extent = g.slice(cumulative, axis, hw[axis - 1] - 1, hw[axis - 1])
-        normalised = g.Div(g.Sub(cumulative, g.scalar(0.5)), g.Add(extent, g.scalar(eps)))
-        normalised = g.Mul(normalised, g.scalar(scale))
-        embedded.append(sine(g, g.reshape(normalised, (-1, tokens, 1)), d_model // 2))
+        positions = g.Sub(cumulative, g.scalar(encoding.offset)) if encoding.offset else cumulative
+        normalised = g.Mul(g.Div(positions, g.Add(extent, g.scalar(eps))), g.scalar(encoding.scale))
+        features = sine(g, g.reshape(normalised, (-1, tokens, 1)), encoding.num_pos_feats, encoding.temperature)
+        embedded.append(features)
     return g.concat(embedded, -1)
 
 

@@ -1,11 +1,13 @@
-"""Two-stage: the encoder's proposals, scored and the top `num_queries` taken (TopK) in the graph,
-become the decoder's queries. Mirrors DeformableTransformer.encoder_proposals, proposal_pos_embed
-and the two-stage branch of its __call__."""
+"""Two-stage: the encoder's proposals, scored and the best taken (TopK) in the graph, become the decoder's
+queries: their positions and contents (the authors', H-Deformable-DETR's contents learnt), or DINO's boxes
+(dino.py). Mirrors DeformableTransformer.encoder_proposals, proposals, proposal_pos_embed and the two-stage
+branch of its __call__."""
 
 import math
 
 import numpy as np
 
+from ...models.query_groups import LEARNED, PROPOSALS, from_source
 from .attention import Sizes
 from .builder import FLOAT, Graph
 from .encoding import sine
@@ -33,23 +35,49 @@ def proposals(g: Graph, memory: str, not_mask: str, extents: list, sizes: Sizes)
     return memory, boxes
 
 
-def two_stage_queries(g: Graph, memory: str, not_mask: str, extents: list, sizes: Sizes, cfg, heads: int) -> tuple:
-    """The top `num_queries` proposals by their first class's logit -> (tgt, query_pos, reference
-    (N, Q, 4), 4), tgt learnt with mixed selection. `heads`: the index of the proposal heads (class_embed /
-    bbox_embed)."""
+def first_class(g: Graph, enc_class: str) -> str:
+    """The authors' proposal score: the first class's logit, (N, L, C) -> (N, L)."""
+    return g.squeeze(g.slice(enc_class, 2, 0, 1), [2])
+
+
+def best_class(g: Graph, enc_class: str) -> str:
+    """DINO's proposal score: the best class's logit, (N, L, C) -> (N, L)."""
+    return g.ReduceMax(enc_class, axes=[2], keepdims=0)
+
+
+def chosen_proposals(
+    g: Graph, memory: str, not_mask: str, extents: list, sizes: Sizes, heads: tuple, score, count: int
+) -> str:
+    """The encoder's proposals scored by `heads` (the class and box heads' prefixes), the best `count` by `score`
+    (first_class or best_class) taken, best first (TopK) -> their boxes in logit space (N, count, 4). Mirrors
+    DeformableTransformer.proposals and the gather of its top."""
     memory, boxes = proposals(g, memory, not_mask, extents, sizes)
-    enc_class = g.linear(memory, f"class_embed.{heads}")
-    enc_coord = g.Add(mlp(g, memory, f"bbox_embed.{heads}"), boxes)
-    first_class = g.squeeze(g.slice(enc_class, 2, 0, 1), [2])  # (N, L)
-    _, top = g.op("TopK", first_class, g.ints([cfg.num_queries], "k"), axis=1, largest=1, sorted=1, outputs=2)
+    class_head, box_head = heads
+    enc_class = g.linear(memory, class_head)
+    enc_coord = g.Add(mlp(g, memory, box_head), boxes)
+    _, top = g.op("TopK", score(g, enc_class), g.ints([count], "k"), axis=1, largest=1, sorted=1, outputs=2)
     rows = g.Add(top, g.ints((np.arange(sizes.batch) * sizes.length)[:, None], "batch_rows"))
-    top_coords = g.Gather(g.reshape(enc_coord, (-1, 4)), rows, axis=0)  # (N, Q, 4)
+    return g.Gather(g.reshape(enc_coord, (-1, 4)), rows, axis=0)  # (N, count, 4)
+
+
+def two_stage_queries(g: Graph, memory: str, not_mask: str, extents: list, sizes: Sizes, groups, heads: int) -> tuple:
+    """The best proposals by their first class's logit, as many as `groups` (the query groups that run) take their
+    positions from them -> (tgt, query_pos, reference (N, Q, 4), 4); tgt made from them too, or learnt where the
+    groups' contents are (mixed selection). `heads`: the index of the proposal heads (class_embed / bbox_embed)."""
+    count, d_model = from_source(groups, PROPOSALS), sizes.heads * sizes.channels
+    box_heads = (f"class_embed.{heads}", f"bbox_embed.{heads}")
+    top_coords = chosen_proposals(g, memory, not_mask, extents, sizes, box_heads, first_class, count)
     reference = g.Sigmoid(top_coords)
     angles = g.unsqueeze(g.Mul(reference, g.scalar(2 * math.pi)), [3])  # (N, Q, 4, 1)
-    embedded = g.reshape(sine(g, angles, cfg.hidden_dim // 2), (sizes.batch, cfg.num_queries, 2 * cfg.hidden_dim))
+    embedded = g.reshape(sine(g, angles, d_model // 2), (sizes.batch, count, 2 * d_model))
     embedded = g.layer_norm(g.linear(embedded, "transformer.pos_trans"), "transformer.pos_trans_norm")
-    query_pos, tgt = g.split(embedded, [cfg.hidden_dim, cfg.hidden_dim], -1)
-    if cfg.mixed_selection:  # H-Deformable-DETR's: the contents learnt, the first `num_queries` (the one-to-one)
-        contents = g.const(g.weight("query_embed.weight")[: cfg.num_queries], "query_contents")
-        tgt = g.Expand(contents, g.ints([sizes.batch, cfg.num_queries, cfg.hidden_dim], "query_shape"))
+    query_pos, tgt = g.split(embedded, [d_model, d_model], -1)
+    if learned := from_source(groups, LEARNED, "contents"):  # mixed selection (H-Deformable-DETR's): contents learnt
+        tgt = g.Expand(learned_contents(g, "query_embed.weight", learned), g.ints([sizes.batch, count, d_model]))
     return tgt, query_pos, reference, 4
+
+
+def learned_contents(g: Graph, key: str, count: int) -> str:
+    """The first `count` rows of the embedding `key`: the learnt contents of the queries that run (H-Deformable-DETR's
+    hybrid branch has more, for training) -> (1, count, d)."""
+    return g.const(g.weight(key)[None, :count], "query_contents")

@@ -46,13 +46,44 @@ def encoder(g: Graph, src: str, pos: str, valid_ratios: list, not_mask: str, siz
     return src
 
 
-def refine(g: Graph, tgt: str, reference: str, ref_dims: int, head: str) -> str:
-    """Box refinement: the layer's box head's delta on the reference's logits -> (N, Q, 4)."""
+def refine(g: Graph, tgt: str, reference: str, ref_dims: int, head: str, eps: float = 1e-5) -> str:
+    """Box refinement: the box head's delta on the reference's logits (inverse_sigmoid at `eps`) -> (N, Q, 4)."""
     delta = mlp(g, tgt, head)
     if ref_dims == 4:
-        return g.Sigmoid(g.Add(delta, inverse_sigmoid(g, reference)))
+        return g.Sigmoid(g.Add(delta, inverse_sigmoid(g, reference, eps)))
     centre, size = g.split(delta, [2, 2], -1)
-    return g.Sigmoid(g.concat([g.Add(centre, inverse_sigmoid(g, reference)), size], -1))
+    return g.Sigmoid(g.concat([g.Add(centre, inverse_sigmoid(g, reference, eps)), size], -1))
+
+
+def seen_from_levels(g: Graph, reference: str, ref_dims: int, ratios: str) -> str:
+    """reference (N, Q, 2|4), ratios (N, levels, 2) -> (N, Q, levels, 2|4): the reference scaled by every level's
+    valid ratios (twice for boxes), as the decoder samples at it."""
+    return g.Mul(g.unsqueeze(reference, [2]), g.unsqueeze(ratios if ref_dims == 2 else g.concat([ratios] * 2, -1), [1]))
+
+
+def decoder_layer(
+    g: Graph,
+    i: int,
+    tgt: str,
+    query_pos: str,
+    scaled: str,
+    ref_dims: int,
+    memory: str,
+    not_mask: str,
+    sizes: Sizes,
+    cfg,
+) -> str:
+    """DeformableTransformerDecoderLayer `i`: self-attention, deformable attention at `scaled` (N, Q, levels,
+    2|4), feed-forward -> its output (N, Q, d)."""
+    prefix = f"transformer.decoder.layers.{i}"
+    q = g.Add(tgt, query_pos)
+    attended = self_attention(g, f"{prefix}.self_attn", q, tgt, cfg.hidden_dim, cfg.nheads, sizes.batch)
+    tgt = g.layer_norm(g.Add(tgt, attended), f"{prefix}.norm2")
+    attended = deformable_attention(
+        g, f"{prefix}.cross_attn", g.Add(tgt, query_pos), scaled, ref_dims, memory, not_mask, sizes
+    )
+    tgt = g.layer_norm(g.Add(tgt, attended), f"{prefix}.norm1")
+    return g.layer_norm(g.Add(tgt, feed_forward(g, tgt, prefix)), f"{prefix}.norm3")
 
 
 def decoder(g: Graph, queries: tuple, memory: str, valid_ratios: list, not_mask: str, sizes: Sizes, cfg) -> tuple:
@@ -62,18 +93,8 @@ def decoder(g: Graph, queries: tuple, memory: str, valid_ratios: list, not_mask:
     ratios = g.concat(valid_ratios, 1)  # (N, levels, 2)
     layers = cfg.dec_layers
     for i in range(layers):
-        prefix = f"transformer.decoder.layers.{i}"
-        scaled = g.Mul(
-            g.unsqueeze(reference, [2]), g.unsqueeze(ratios if ref_dims == 2 else g.concat([ratios] * 2, -1), [1])
-        )
-        q = g.Add(tgt, query_pos)
-        attended = self_attention(g, f"{prefix}.self_attn", q, tgt, cfg.hidden_dim, cfg.nheads, sizes.batch)
-        tgt = g.layer_norm(g.Add(tgt, attended), f"{prefix}.norm2")
-        attended = deformable_attention(
-            g, f"{prefix}.cross_attn", g.Add(tgt, query_pos), scaled, ref_dims, memory, not_mask, sizes
-        )
-        tgt = g.layer_norm(g.Add(tgt, attended), f"{prefix}.norm1")
-        tgt = g.layer_norm(g.Add(tgt, feed_forward(g, tgt, prefix)), f"{prefix}.norm3")
+        scaled = seen_from_levels(g, reference, ref_dims, ratios)
+        tgt = decoder_layer(g, i, tgt, query_pos, scaled, ref_dims, memory, not_mask, sizes, cfg)
         if cfg.with_box_refine and i < layers - 1:  # the last layer's refinement is the output's box
             reference, ref_dims = refine(g, tgt, reference, ref_dims, f"bbox_embed.{i}"), 4
     return tgt, reference, ref_dims
