@@ -189,16 +189,17 @@ class Detector:
         slice: tuple | None = None,
         overlap: float = OVERLAP,
     ) -> "Predictions":
-        """A result per image of `images`: a PIL image, an (H, W, 3) uint8 array, a path, a folder (its
-        images), a glob, or a list of these, in input order. A forward takes at most `batch_size` images
-        of one `batch_key` (the batching rule: the module's docstring), so the results are those of
-        `batch_size=1`; an image waits for others of its size while at most 4 x `batch_size` images wait
-        (inputs.opened_batches). `attention`: the sampling points and weights of decoder layer
-        `attention_layer` for each detection; `encoder_pixel` (x, y): where the last encoder layer's
-        queries at that pixel look. A file that cannot be read (not an image, truncated) raises, naming
-        it; with `skip_unreadable`, each is named in a warning and left out, and the result's `skipped`
-        lists them: [(path, reason)]. `slice` (W, H): each image's detections from W x H slices overlapping
-        by `overlap` of a slice, `batch_size` slices a forward, in the image's pixels (inference/slicing.py)."""
+        """A result per image of `images`: a PIL image, an (H, W, 3) uint8 array, a path, a folder (its images), a glob,
+        or a list of these, in input order: the best `evaluation.top_k` (query, class) pairs of the model's config
+        (those eval.py scores: 100, DINO's 300) at or above `threshold`. A forward takes at most `batch_size` images of
+        one `batch_key` (the batching rule: the module's docstring), so the results are those of `batch_size=1`; an
+        image waits for others of its size while at most 4 x `batch_size` images wait (inputs.opened_batches).
+        `attention`: the sampling points and weights of decoder layer `attention_layer` for each detection;
+        `encoder_pixel` (x, y): where the last encoder layer's queries at that pixel look. A file that cannot be read
+        (not an image, truncated) raises, naming it; with `skip_unreadable`, each is named in a warning and left out,
+        and the result's `skipped` lists them: [(path, reason)]. `slice` (W, H): each image's detections from W x H
+        slices overlapping by `overlap` of a slice, `batch_size` slices a forward, in the image's pixels
+        (inference/slicing.py)."""
         sliced = None if slice is None else check_slice(slice, overlap)
         if sliced and (attention or encoder_pixel is not None):
             raise UsageError("slice: attention and encoder_pixel show one forward of a whole image; not with slices")
@@ -266,11 +267,12 @@ class Detector:
         return resized_shape(width, height, self.cfg.data.val_size, self.cfg.data.max_size)
 
     def detect(self, images: list, decoder_layer: int | None = None, encoder_pixel=None) -> list[dict]:
-        """PIL images (RGB) -> per image, in order, the top 100 of `post_process` (numpy, boxes in the
-        image's pixels); with `decoder_layer`, "attention": in_pixels' dict of every query of that layer's
-        cross-attention; with `encoder_pixel` (x, y), "encoder": that pixel's encoder queries. One forward
-        per `batch_key` among them (`inputs.grouped`): no image is padded, so each gets the results it
-        has alone (the batching rule: the module's docstring)."""
+        """PIL images (RGB) -> per image, in order, the config's `evaluation.top_k` best of `post_process` (numpy,
+        boxes in the image's pixels): the detections eval.py scores (the authors' 100, DINO's 300). With
+        `decoder_layer`, "attention": in_pixels' dict of every query of that layer's cross-attention; with
+        `encoder_pixel` (x, y), "encoder": that pixel's encoder queries. One forward per `batch_key` among them
+        (`inputs.grouped`): no image is padded, so each gets the results it has alone (the batching rule: the
+        module's docstring)."""
         results = [None] * len(images)
         for group in grouped(range(len(images)), lambda i: self.batch_key(images[i]), max(len(images), 1)):
             found = self._forward([images[i] for i in group], decoder_layer, encoder_pixel)
@@ -288,7 +290,7 @@ class Detector:
             self.products(looking=asked),
         ):
             outputs = self.model(mx.array(pixels), mx.array(mask))
-        results = post_process(outputs, [[image.height, image.width] for image in images])
+        results = post_process(outputs, [[image.height, image.width] for image in images], self.cfg.evaluation.top_k)
         calls = {part: recorder.calls[0] for part, recorder in recorders.items()}
         mx.eval(results, [(c.locations, c.weights, c.reference_points) for c in calls.values()])
         results = [{k: np.array(v) for k, v in result.items()} for result in results]

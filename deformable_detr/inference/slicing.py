@@ -20,10 +20,11 @@ boxes): every object is whole in some slice, so the best-scoring box of a group 
 where a union grows by what a neighbour's half-box adds; and suppression only drops detections, so a
 detection kept at one threshold is kept, unchanged, at any lower one (NMM's boxes depend on what
 scored below). Per class: Deformable DETR gives a query's box under more than one class, each pair with
-its own score (the model's top 100 over queries x classes); suppression across classes would take those
-away from the slices' own answers. bench/slicing.py measured them on the small shapes set
-(bench/README.md#sliced-inference): AP 0.760 this way, the same across classes (with a third fewer
-detections), 0.758 with IoS as the overlap, 0.666 / 0.689 merging (NMM, IoU / IoS), 0.632 with no merge.
+its own score (the config's evaluation.top_k best over queries x classes: 100, DINO's 300); suppression
+across classes would take those away from the slices' own answers. bench/slicing.py measured them on the
+small shapes set (bench/README.md#sliced-inference): AP 0.760 this way, the same across classes (with a
+third fewer detections), 0.758 with IoS as the overlap, 0.666 / 0.689 merging (NMM, IoU / IoS), 0.632 with
+no merge.
 
 Boxes are clipped to their slice before the merge: the model saw nothing beyond it (and supervision warns
 of boxes outside a slice, its sign of a callback run on the whole image). A slice larger than the image
