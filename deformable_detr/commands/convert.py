@@ -4,7 +4,10 @@
 
 SRC is one of
 - the authors' checkpoint (`.pth`: a dict with `model`, as released, usually also `args`,
-  `optimizer`, `epoch`; or a bare state_dict);
+  `optimizer`, `epoch`; or a bare state_dict); H-Deformable-DETR's likewise;
+- DINO's (IDEA-Research/DINO's main.py `.pth`: `model` and `args`, which say its 4 or 5 scales, its
+  denoising label book and its shared heads; detrex's DINO read by its own key names), recorded with the
+  configs/dino_*.yaml recipe it matches; what is not built (DINO's masks, ConvNeXt) refused in one line;
 - Hugging Face `DeformableDetrForObjectDetection` weights (`model.safetensors` or
   `pytorch_model.bin`, or the folder holding one, of any transformers release), or
   `hf://ORG/NAME[@REVISION]` on the Hub;
@@ -31,7 +34,8 @@ def build_parser():
     parser = command_parser("convert", __doc__)
     parser.add_argument(
         "src",
-        help="the authors' .pth, Hugging Face weights (file or folder, or hf://ORG/NAME[@REVISION] on the Hub), "
+        help="the authors' .pth (H-Deformable-DETR's, DINO's main.py's or detrex's DINO too), Hugging Face weights "
+        "(file or folder, or hf://ORG/NAME[@REVISION] on the Hub), "
         "or ImageNet weights (torchvision ResNet, Microsoft or timm Swin) with --backbone-only",
     )
     parser.add_argument("dst", type=Path, help="the .safetensors file to write")
