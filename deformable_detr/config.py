@@ -74,8 +74,13 @@ class ModelConfig:
     # layers (the encoder's own apart), proposals chosen by their best class, the position encoding without the
     # half-pixel offset, and contrastive denoising in training (dn_*). Its configs: configs/dino_*.yaml
     architecture: str = field(default="deformable_detr", metadata={"choices": ("deformable_detr", "dino")})
-    # the sine position encoding's temperature (the authors' 10000; DINO's 20)
+    # the sine position encoding's temperature (the authors' 10000; DINO's 20) and half-pixel offset (the authors'
+    # 0.5; DINO's 0)
     position_temperature: float = field(default=10000.0, metadata={"range": (1.0, 1e9)})
+    position_offset: float = field(default=0.5, metadata={"range": (0.0, 1.0)})
+    # DINO's decoder's class and box heads: shared (one of each for every layer: DINO's configs) | per_layer
+    # (detrex's DINO); auto: shared for DINO, and the authors' rule for theirs (per layer with box refinement)
+    decoder_heads: str = field(default="auto", metadata={"choices": ("auto", "shared", "per_layer")})
     # DINO's contrastive denoising: every step at most 2 x dn_number queries (groups of a noised positive and negative
     # copy of every target; as many groups as fit), a fixed count whatever the targets; 0: none. The labels are
     # changed at random with probability dn_label_noise_ratio / 2, the boxes moved by up to dn_box_noise_scale of
@@ -214,7 +219,7 @@ _MODEL_KEYS += ("nheads", "enc_layers")
 _MODEL_KEYS += ("dec_layers", "dim_feedforward", "dropout", "enc_n_points", "dec_n_points", "num_queries")
 _MODEL_KEYS += ("num_classes", "with_box_refine", "two_stage", "aux_loss", "mixed_selection", "look_forward_twice")
 _MODEL_KEYS += ("num_queries_one2many", "architecture", "position_temperature", "dn_number", "dn_label_noise_ratio")
-_MODEL_KEYS += ("dn_box_noise_scale", "dn_labelbook_size", "backbone_maps")
+_MODEL_KEYS += ("dn_box_noise_scale", "dn_labelbook_size", "backbone_maps", "position_offset", "decoder_heads")
 _OPTIMIZER_KEYS = ("lr", "lr_backbone", "freeze_stem_and_layer1", "lr_linear_proj_mult", "lr_linear_proj_names")
 _OPTIMIZER_KEYS += ("weight_decay", "clip_max_norm")
 RESUME_EFFECTS = {

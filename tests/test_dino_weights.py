@@ -113,6 +113,8 @@ def test_their_args_give_the_model_options(variant):
         "num_classes": 5,
         "dropout": 0.0,
         "position_temperature": 20.0,
+        "position_offset": 0.0,
+        "decoder_heads": "auto",
         "dn_number": 100,
         "dn_label_noise_ratio": 0.5,
         "dn_box_noise_scale": 0.4,
@@ -143,8 +145,8 @@ def test_args_the_state_cannot_show():
     [
         ({"masks": True}, r"DINO's segmentation head \(masks\): not built"),
         ({"backbone": "convnext_xlarge_22k"}, r"DINO's backbone convnext_xlarge_22k is not built here"),
-        ({"dec_pred_class_embed_share": False}, r"a class head for each decoder layer .*: not built"),
-        ({"dec_pred_bbox_embed_share": False}, r"a box head for each decoder layer .*: not built"),
+        ({"dec_pred_class_embed_share": False}, r"box heads per layer, or the other way .*: not built"),
+        ({"dec_pred_bbox_embed_share": False}, r"box heads per layer, or the other way .*: not built"),
         ({"two_stage_type": "no"}, r"a two_stage_type other than standard: not built \(args.two_stage_type = 'no'\)"),
         ({"num_patterns": 3}, r"query patterns"),
         ({"decoder_sa_type": "ca_label"}, r"self-attention other than sa"),
@@ -164,13 +166,13 @@ def test_what_is_not_built_is_refused_in_one_line(changes, message):
     assert "\n" not in str(error.value)
 
 
-def test_heads_that_are_not_one_are_refused():
-    """Unshared heads without args (their values tell); a tied copy that differs from its original."""
+def test_heads_per_layer_are_read_and_a_differing_copy_refused():
+    """Heads per layer (dec_pred_*_embed_share False), without args: their values tell; a tied copy that differs
+    from its original is refused."""
     state = their_state("r50_4scale")
     state["class_embed.1.bias"] = state["class_embed.1.bias"] + 1
     state["transformer.decoder.class_embed.1.bias"] = state["class_embed.1.bias"]
-    with pytest.raises(ConversionError, match=r"a class and a box head for each decoder layer .*detrex"):
-        dino.model_options(state, {})
+    assert dino.model_options(state, {})["decoder_heads"] == "per_layer"
     state = their_state("r50_4scale")
     state["transformer.decoder.bbox_embed.2.layers.0.bias"] = state["bbox_embed.0.layers.0.bias"] + 1
     with pytest.raises(ConversionError, match=r"transformer.decoder.bbox_embed.2.layers.0.bias should be tied to"):
@@ -235,8 +237,12 @@ def test_detrex_names_both_ways(variant):
     np.testing.assert_array_equal(back["label_enc.weight"][:-1], state["label_enc.weight"][:-1])
     again = dino.to_detrex(back)
     assert again.keys() == theirs.keys() and all(np.array_equal(again[k], theirs[k]) for k in theirs)
-    with pytest.raises(ConversionError, match=r"^detrex.pth: a class and a box head for each decoder layer"):
-        dino.model_options(back, {}, "detrex.pth")
+    options = dino.model_options(back, {}, "detrex.pth", detrex=True)  # its heads per layer, the authors' encoding
+    assert (options["decoder_heads"], options["position_temperature"], options["position_offset"]) == (
+        "per_layer",
+        10000.0,
+        0.5,
+    )
 
 
 def test_detrex_unknown_key():
@@ -363,9 +369,9 @@ def test_every_converted_key_is_a_parameter_of_the_mlx_model(variant):
         assert back[key].dtype == value.dtype and np.array_equal(back[key], value), key
 
 
-def test_convert_reads_their_checkpoint_and_refuses_detrex_in_one_line(tmp_path):
-    """convert: their main.py checkpoint -> weights, options and config the file records -> the model loaded; a
-    detrex checkpoint (its own heads for every layer) refused in one line."""
+def test_convert_reads_their_checkpoint_and_detrexs(tmp_path):
+    """convert: their main.py checkpoint -> weights, options and config the file records -> the model loaded; so a
+    detrex checkpoint (its own heads for every layer, the authors' position encoding), every head its own."""
     torch = pytest.importorskip("torch", reason="writing their .pth needs PyTorch (the convert extra)")
     from deformable_detr.weights.conversion import convert, save_converted
     from deformable_detr.weights.loading import config_from_weights, load_trained_model
@@ -389,13 +395,22 @@ def test_convert_reads_their_checkpoint_and_refuses_detrex_in_one_line(tmp_path)
     model, _ = load_trained_model(tmp_path / "dino.safetensors", cfg)
     np.testing.assert_array_equal(np.array(model.label_enc.weight), state["label_enc.weight"])
 
-    theirs = dino.to_detrex(state)
+    per_layer = dict(state)
+    for key in [k for k in per_layer if SHARED.match(k)]:
+        per_layer[key] = per_layer[key] + int(SHARED.match(key)[3])  # each layer's head its own, as detrex's
+    theirs = dino.to_detrex(per_layer)
     torch.save({"model": {k: torch.from_numpy(v) for k, v in theirs.items()}}, tmp_path / "detrex.pth")
-    with pytest.raises(ConversionError, match=r"detrex.pth: detrex's DINO position encoding .*: not built") as error:
-        convert(tmp_path / "detrex.pth")  # its heads here one (shared): its position encoding refused
+    weights, options, message = convert(tmp_path / "detrex.pth")
+    assert (options["decoder_heads"], options["position_offset"], options["position_temperature"]) == (
+        "per_layer",
+        0.5,
+        10000.0,
+    )
+    save_converted(tmp_path / "detrex.safetensors", weights, options, tmp_path / "detrex.pth")
+    cfg = config_from_weights(tmp_path / "detrex.safetensors")
+    model, _ = load_trained_model(tmp_path / "detrex.safetensors", cfg)
+    assert len(model.class_embed) == len(model.bbox_embed) == 3
+    np.testing.assert_array_equal(np.array(model.class_embed[2].bias), per_layer["class_embed.2.bias"])
+    with pytest.raises(ConversionError, match=r"half-pixel offset .*detrex's DINO") as error:
+        dino.dino_args(vars(cfg.model), weights)  # DINO's layout has no such encoding
     assert "\n" not in str(error.value)
-    theirs["class_embed.0.bias"] = theirs["class_embed.0.bias"] + 1
-    theirs["transformer.decoder.class_embed.0.bias"] = theirs["class_embed.0.bias"]
-    torch.save({"model": {k: torch.from_numpy(v) for k, v in theirs.items()}}, tmp_path / "detrex.pth")
-    with pytest.raises(ConversionError, match=r"detrex.pth: a class and a box head for each decoder layer"):
-        convert(tmp_path / "detrex.pth")

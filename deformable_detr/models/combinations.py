@@ -48,6 +48,11 @@ def model_problem(m: ModelConfig) -> str | None:
         )
     if m.architecture == "dino" and m.num_queries_one2many:
         return "model.num_queries_one2many (H-Deformable-DETR's hybrid branch): not built with model.architecture dino"
+    if m.decoder_heads != "auto" and m.architecture != "dino":
+        return (
+            f"model.decoder_heads {m.decoder_heads} is DINO's choice (model.architecture dino); the authors' heads are "
+            "per layer exactly with model.with_box_refine: leave it auto"
+        )
     if m.dn_number and m.architecture != "dino":
         return "model.dn_number (contrastive denoising) needs model.architecture dino"
     return None

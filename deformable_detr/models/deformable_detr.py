@@ -86,7 +86,7 @@ class DeformableDETR(nn.Module):
 
     @staticmethod
     def position_encoding(m: ModelConfig) -> PositionEmbeddingSine:
-        return PositionEmbeddingSine(m.hidden_dim // 2, m.position_temperature)
+        return PositionEmbeddingSine(m.hidden_dim // 2, m.position_temperature, offset=m.position_offset)
 
     @staticmethod
     def input_projections(in_channels, hidden_dim: int, levels: int) -> list:

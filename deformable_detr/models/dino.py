@@ -4,9 +4,11 @@ it: Deformable DETR two-stage with box refinement, mixed selection (its embed_in
   through `ref_point_head` (its deformable decoder's conditional queries);
 - a LayerNorm on the decoder's outputs (`decoder.norm`), the next layer's box refined from the output before it;
 - one class head and one box head shared by the decoder layers (`class_embed.0`, `bbox_embed.0`: its
-  dec_pred_*_embed_share), the encoder's proposals scored by heads of their own (`transformer.enc_out_*`), chosen by
-  their best class and matched by class (its `interm_outputs`, our `enc_outputs`: the chosen proposals only);
-- the position encoding without the half-pixel offset (its PositionEmbeddingSineHW), temperature 20 in its configs;
+  dec_pred_*_embed_share; model.decoder_heads per_layer: one of each per layer, detrex's), the encoder's proposals
+  scored by heads of their own (`transformer.enc_out_*`), chosen by their best class and matched by class (its
+  `interm_outputs`, our `enc_outputs`: the chosen proposals only);
+- the position encoding without the half-pixel offset (its PositionEmbeddingSineHW: model.position_offset 0),
+  temperature 20 in its configs (detrex's DINO: the authors' encoding);
 - contrastive denoising queries in training (models/denoising.py, the query group `denoising`), their labels
   embedded by `label_enc`.
 Parameter names are DINO's state_dict's without its tied copies of the shared heads."""
@@ -28,7 +30,7 @@ from .deformable_transformer import (
 from .denoising import DINO_EPS, DenoisingQueries
 from .linear import Linear
 from .ms_deform_attn import MSDeformAttn
-from .position_encoding import PositionEmbeddingSine, sine_embedding
+from .position_encoding import sine_embedding
 from .precision import LayerNorm, to
 from .query_groups import PROPOSALS, attention_plan, from_source, query_groups, running, spans
 from .recompute import checkpointed
@@ -54,13 +56,13 @@ class DINODecoder(DeformableTransformerDecoder):
         self.ref_point_head = MLP(2 * d_model, d_model, d_model, 2)
         self.norm = LayerNorm(d_model)
 
-    def __call__(self, tgt, reference_points, src, spatial_shapes, valid_ratios, padding_mask, box_head, plan=None):
+    def __call__(self, tgt, reference_points, src, spatial_shapes, valid_ratios, padding_mask, box_heads, plan=None):
         """tgt (B, Q, d), reference_points (B, Q, 4) in [0, 1] -> every layer's normed output (n_layers, B, Q, d) and
-        refined boxes (n_layers, B, Q, 4)."""
+        refined boxes (n_layers, B, Q, 4); `box_heads`: one shared, or one per layer."""
         d_model = tgt.shape[-1]
         ratios = mx.concatenate([valid_ratios, valid_ratios], -1)[:, None]  # (B, 1, n_levels, 4)
         outputs, references = [], []
-        for layer in self.layers:
+        for lid, layer in enumerate(self.layers):
             points = reference_points[:, :, None] * ratios
             query_pos = self.ref_point_head(box_sine_embedding(points[:, :, 0], d_model // 2))
             tgt = checkpointed(
@@ -74,6 +76,7 @@ class DINODecoder(DeformableTransformerDecoder):
                 src,
                 enabled=self.activation_checkpointing,
             )
+            box_head = box_heads[lid] if len(box_heads) > 1 else box_heads[0]
             refined = mx.sigmoid(box_head(tgt) + inverse_sigmoid(reference_points, DINO_EPS))
             reference_points = mx.stop_gradient(refined)
             outputs.append(self.norm(tgt))
@@ -113,10 +116,10 @@ class DINOTransformer(DeformableTransformer):
     def proposal_score(enc_class):
         return enc_class.max(-1)  # DINO's: a proposal's best class
 
-    def __call__(self, srcs, masks, pos_embeds, groups, box_head, denoising=None):
+    def __call__(self, srcs, masks, pos_embeds, groups, box_heads, denoising=None):
         """srcs, pos_embeds: per level (B, h, w, d); masks: per level (B, h, w); `groups` the query groups that run,
-        the detector's first; `box_head` the decoder's (shared); `denoising`: the denoising group's contents
-        (B, N, d), positions (B, N, 4) in logit space and attention mask (N, N), where it runs.
+        the detector's first; `box_heads` the decoder's (one shared, or one per layer); `denoising`: the denoising
+        group's contents (B, N, d), positions (B, N, 4) in logit space and attention mask (N, N), where it runs.
 
         Returns every decoder layer's outputs (n_layers, B, Q, d), the initial boxes (B, Q, 4), every layer's refined
         boxes, and the chosen proposals' predictions (`pred_logits`, `pred_boxes`: DINO's interm_outputs)."""
@@ -145,7 +148,7 @@ class DINOTransformer(DeformableTransformer):
             spatial_shapes,
             valid_ratios,
             mask_flatten,
-            box_head,
+            box_heads,
             attention_plan(groups, masks),
         )
         return hs, reference_points, references, chosen
@@ -167,16 +170,13 @@ class DINO(DeformableDETR):
         self.backbone = [backbone]
         self.position_embedding = self.position_encoding(m)
         self.transformer = transformer
-        self.class_embed = [ClassHead(hidden_dim, m.num_classes)]
-        self.bbox_embed = [MLP(hidden_dim, hidden_dim, 4, 3)]
+        heads = m.dec_layers if m.decoder_heads == "per_layer" else 1
+        self.class_embed = [ClassHead(hidden_dim, m.num_classes) for _ in range(heads)]
+        self.bbox_embed = [MLP(hidden_dim, hidden_dim, 4, 3) for _ in range(heads)]
         labelbook = m.num_classes if m.dn_labelbook_size == "auto" else m.dn_labelbook_size
         self.label_enc = nn.Embedding(labelbook + 1, hidden_dim)
         self.input_proj = self.input_projections(backbone.num_channels, hidden_dim, m.num_feature_levels)
         self._reset_parameters()
-
-    @staticmethod
-    def position_encoding(m: ModelConfig) -> PositionEmbeddingSine:
-        return PositionEmbeddingSine(m.hidden_dim // 2, m.position_temperature, offset=0.0)
 
     def _reset_parameters(self):
         super()._reset_parameters()  # and the encoder's heads as the decoder's: DINO's start as copies of them
@@ -194,13 +194,13 @@ class DINO(DeformableDETR):
             contents = mx.where((labels >= 0)[..., None], embedded, mx.zeros((), embedded.dtype))
             noised = (contents, mx.array(denoising.positions), mx.array(denoising.attention_mask))
         hs, init_reference, references, chosen = self.transformer(
-            *self.features(images, mask), groups, self.bbox_embed[0], noised
+            *self.features(images, mask), groups, self.bbox_embed, noised
         )
         outputs = []
         for layer in range(hs.shape[0]):
             reference = init_reference if layer == 0 else references[layer - 1]
-            boxes = mx.sigmoid(self.bbox_embed[0](hs[layer]) + inverse_sigmoid(reference, DINO_EPS))
-            outputs.append({"pred_logits": self.class_embed[0](hs[layer]), "pred_boxes": boxes})
+            boxes = mx.sigmoid(self.head(self.bbox_embed, layer)(hs[layer]) + inverse_sigmoid(reference, DINO_EPS))
+            outputs.append({"pred_logits": self.head(self.class_embed, layer)(hs[layer]), "pred_boxes": boxes})
         out = self.group_predictions(outputs, groups)
         out["enc_outputs"] = chosen
         return out

@@ -35,13 +35,13 @@ from .backbones import (
 )
 from .huggingface import _rename
 
-UNSHARED_HEADS = (  # detrex's DINO has them, DINO's with dec_pred_*_embed_share False
-    "a class and a box head for each decoder layer (detrex's DINO; DINO's dec_pred_*_embed_share False): not built; "
-    "one pair shared by the decoder's layers is (DINO's configs)"
+HALF_SHARED = (
+    "a class head shared by the decoder's layers and box heads per layer, or the other way "
+    "(dec_pred_class_embed_share != dec_pred_bbox_embed_share): not built; both shared or both per layer are"
 )
-DETREX_POSITION = (
-    "detrex's DINO position encoding (the authors': a half-pixel offset, temperature 10000): not built with "
-    "model.architecture dino (DINO's: no offset)"
+OFFSET_POSITION = (
+    "this model's position encoding has the authors' half-pixel offset (model.position_offset {offset}: detrex's "
+    "DINO), which DINO's code has not: its layout would load and answer otherwise"
 )
 HEADS = re.compile(r"^(transformer\.decoder\.)?(class_embed|bbox_embed)\.(\d+)\.(.*)$")
 
@@ -146,8 +146,6 @@ _SAME_ARGS = {
 _NOT_BUILT = (
     ("masks", False, "DINO's segmentation head (masks)"),
     ("two_stage_type", "standard", "a two_stage_type other than standard"),
-    ("dec_pred_class_embed_share", True, "a class head for each decoder layer (dec_pred_class_embed_share False)"),
-    ("dec_pred_bbox_embed_share", True, "a box head for each decoder layer (dec_pred_bbox_embed_share False)"),
     ("num_patterns", 0, "query patterns (num_patterns > 0)"),
     ("decoder_sa_type", "sa", "a decoder self-attention other than sa"),
     ("two_stage_add_query_num", 0, "learned queries added to the proposals (two_stage_add_query_num > 0)"),
@@ -240,10 +238,8 @@ def model_options(state: dict, args: dict, source: str = "checkpoint", detrex: b
     state ask for that is not built is a ConversionError in one line."""
     if problem := not_built(args):
         raise ConversionError(f"{source}: {problem}")
-    if not _shared_heads(state):
-        raise ConversionError(f"{source}: {UNSHARED_HEADS}")
-    if detrex:  # its keys mapped to DINO's (from_detrex); its model's position encoding is not DINO's
-        raise ConversionError(f"{source}: {DETREX_POSITION}")
+    if args.get("dec_pred_class_embed_share", True) != args.get("dec_pred_bbox_embed_share", True):
+        raise ConversionError(f"{source}: {HALF_SHARED}")
     options = {
         "architecture": "dino",
         "two_stage": True,
@@ -252,8 +248,12 @@ def model_options(state: dict, args: dict, source: str = "checkpoint", detrex: b
         "look_forward_twice": True,
         "dropout": 0.0,
         "position_temperature": 20.0,
+        "position_offset": 0.0,
         "dn_number": 100,
+        "decoder_heads": "auto" if _shared_heads(state) else "per_layer",
     }
+    if detrex:  # its keys mapped to DINO's (from_detrex): the authors' position encoding, its configs' box noise
+        options.update(position_temperature=10000.0, position_offset=0.5, dn_box_noise_scale=1.0)
     options.update({field: args[name] for field, name in _SAME_ARGS.items() if name in args})
     if "pe_temperatureH" in args:
         options["position_temperature"] = float(args["pe_temperatureH"])
@@ -332,8 +332,11 @@ def dino_args(config: dict, weights: dict) -> argparse.Namespace:
     """The args DINO's main.py writes beside the state_dict of a model of `config` (ModelConfig as a dict) with
     `weights` (the class and label counts are read from them): DINO's config's values, the model's own where it
     has them."""
+    if config.get("position_offset", 0.0) != 0.0:
+        raise ConversionError(OFFSET_POSITION.format(offset=config["position_offset"]))
     args = dict(DINO_ARGS)
     args.update({name: config[field] for field, name in _SAME_ARGS.items() if field in config})
+    shared = config.get("decoder_heads", "auto") != "per_layer"
     maps = config.get("backbone_maps", "auto")
     maps = 3 if maps == "auto" else int(maps)
     dn_number = int(config.get("dn_number", 0))
@@ -346,6 +349,8 @@ def dino_args(config: dict, weights: dict) -> argparse.Namespace:
         dn_number=dn_number,
         num_classes=int(weights["class_embed.0.weight"].shape[0]),
         dn_labelbook_size=int(weights["label_enc.weight"].shape[0]) - 1,
+        dec_pred_class_embed_share=shared,
+        dec_pred_bbox_embed_share=shared,
     )
     return argparse.Namespace(**args)
 
