@@ -21,7 +21,9 @@ convolutions OIHW, and the tied keys restored (without box refinement one `class
 `bbox_embed` repeated for every decoder layer; the decoder's references to the top-level heads with
 refinement or two-stage). `args` holds the model options the keys cannot show (heads, points, DC5),
 from the checkpoint's config or `--config`. Before writing, the export converts its own result back
-and checks that every tensor comes back unchanged. Needs PyTorch (the `convert` extra).
+and checks that every tensor comes back unchanged. A DINO model's (model.architecture dino) OUT is DINO's
+main.py checkpoint: its names, the shared heads under every layer's, and the args its build_dino reads;
+`--to huggingface` refuses it (transformers has no DINO). Needs PyTorch (the `convert` extra).
 Built on `Detector.export`.
 """
 
@@ -57,7 +59,8 @@ def build_parser(old_spelling: bool = False):
     parser.add_argument(
         "--postprocess",
         action="store_true",
-        help="onnx, mlx: take target_sizes, return the top-100 scores, labels, boxes",
+        help="onnx, mlx: take target_sizes, return the scores, labels, boxes of the best evaluation.top_k (query, "
+        "class) pairs (100; DINO's configs 300)",
     )
     parser.add_argument(
         "--sampler", choices=["gather", "grid_sample"], default="gather", help="onnx: the attention's bilinear sampler"
