@@ -6,8 +6,10 @@
                      -> {"model", "image": {"width", "height"}, "detections": [Detections.to_json()]}
                         or {"model", "results": [{"filename", "image", "detections"}, ...]};
                         header X-Batch-Size: the forward batch the (first) image ran in
-    GET /v1/model    the model: name, classes, queries, layers, heads, levels, points, val_size, max_size,
-                     level_colours ([r, g, b] of each feature level's sampling points, inference/visualize.py's)
+    GET /v1/model    the model: name, architecture (deformable_detr, dino), classes, queries, layers, heads,
+                     levels, points, top_k (the most detections an image: evaluation.top_k, DINO's 300),
+                     val_size, max_size, level_colours ([r, g, b] of each feature level's sampling points,
+                     inference/visualize.py's)
     GET /v1/stats    requests, images, batches, batch_sizes {size: count}, queued, megapixels (of the pixel
                      budget held now, as uploads.decoding_cost counts them), errors (answers 4xx or 5xx),
                      disconnects (clients gone before their answer), timeouts (stalled: headers or a body
@@ -302,6 +304,7 @@ class DetectionService:
         return JSONResponse(
             {
                 "name": self.name,
+                "architecture": model.architecture,
                 "classes": {str(k): v for k, v in sorted(self.detector.class_names.items())},
                 "num_queries": model.num_queries,
                 "decoder_layers": model.dec_layers,
@@ -309,6 +312,7 @@ class DetectionService:
                 "heads": model.nheads,
                 "levels": model.num_feature_levels,
                 "points": model.dec_n_points,
+                "top_k": self.detector.cfg.evaluation.top_k,
                 "val_size": data.val_size,
                 "max_size": data.max_size,
                 "level_colours": [list(colour) for colour in LEVEL_COLOURS],
