@@ -265,6 +265,38 @@ def test_eval_scores_the_configs_top_k_with_cocos_ap(trained, tmp_path):
     assert stats["AP50"] > 0
 
 
+def test_training_starts_from_a_dino_checkpoint(trained, tmp_path):
+    """train.py --weights of the DINO checkpoint starts from every one of its tensors; --finetune on a set of two of
+    its classes (cross, circle: ids 1, 2; the checkpoint's 5 and 2) carries their rows of each class head (the
+    decoder's, the encoder's, label_enc's) by name. At learning rate 0 the checkpoint written is what training
+    started from."""
+    _, checkpoint = trained
+    two = generate(tmp_path / "two", 8, 2, seed=3, categories=["cross", "circle"], height=(64, 64), width=(64, 64))
+    still = ["optimizer.lr=0", "optimizer.lr_backbone=0", "schedule.epochs=1", "train.eval_every=0"]
+    source = {
+        k.removeprefix("model."): np.array(v) for k, v in mx.load(str(checkpoint)).items() if k.startswith("model.")
+    }
+
+    argv = ["--config", str(TINY), *DINO_TINY, *still]
+    train.main([*argv, "--output-dir", str(tmp_path / "weights"), "--weights", str(checkpoint), f"data.path={two}"])
+    started = mx.load(str(tmp_path / "weights" / "checkpoint.safetensors"))
+    assert all(np.array_equal(np.array(started[f"model.{k}"]), v) for k, v in source.items())
+
+    argv += ["model.num_classes=3", f"data.path={two}"]
+    train.main([*argv, "--output-dir", str(tmp_path / "finetuned"), "--finetune", str(checkpoint)])
+    tuned = {k: np.array(v) for k, v in mx.load(str(tmp_path / "finetuned" / "checkpoint.safetensors")).items()}
+    for key in (
+        "class_embed.0.weight",
+        "class_embed.0.bias",
+        "transformer.enc_out_class_embed.bias",
+        "label_enc.weight",
+    ):
+        rows = tuned[f"model.{key}"]
+        assert len(rows) == len(source[key]) - 3  # 3 outputs, was 6 (label_enc: a row more)
+        np.testing.assert_array_equal(rows[[1, 2]], source[key][[5, 2]])
+    np.testing.assert_array_equal(tuned["model.transformer.tgt_embed.weight"], source["transformer.tgt_embed.weight"])
+
+
 def test_dinos_checkpoint_converted_then_predicted_from_the_command_line(tmp_path):
     """A small ResNet-50 DINO exported in DINO's main.py layout (model and args), converted (`convert`: the config
     configs/dino_r50_4scale_12ep.yaml with the checkpoint's sizes), then `predict --checkpoint` on an image: its JSON
