@@ -299,8 +299,9 @@ def test_training_starts_from_a_dino_checkpoint(trained, tmp_path):
 
 def test_dinos_checkpoint_converted_then_predicted_from_the_command_line(tmp_path):
     """A small ResNet-50 DINO exported in DINO's main.py layout (model and args), converted (`convert`: the config
-    configs/dino_r50_4scale_12ep.yaml with the checkpoint's sizes), then `predict --checkpoint` on an image: its JSON
-    is `Detector.load(...).predict`'s, and those are the MLX model's own detections (the weights came back)."""
+    configs/dino_r50_4scale_12ep.yaml with the checkpoint's sizes), then `predict --checkpoint --attention` on an
+    image: its JSON (sampling points too) is `Detector.load(...).predict`'s, and those are the MLX model's own
+    detections (the weights came back)."""
     pytest.importorskip("torch", reason="DINO's .pth needs PyTorch (the convert extra)")
     from deformable_detr import build_model, load_config
     from deformable_detr.convert import main as convert_main
@@ -318,12 +319,13 @@ def test_dinos_checkpoint_converted_then_predicted_from_the_command_line(tmp_pat
     Image.fromarray((np.random.default_rng(2).random((90, 120, 3)) * 255).astype(np.uint8)).save(image)
     sizes = ["data.val_size=96", "data.max_size=128"]  # the converted config's are COCO's (800, 1333)
     argv = ["--checkpoint", str(tmp_path / "dino.safetensors"), "--threshold", "0", "--precision", "float32"]
-    predict_main([*argv, "--output-dir", str(tmp_path / "out"), str(image), *sizes])
+    predict_main([*argv, "--attention", "--output-dir", str(tmp_path / "out"), str(image), *sizes])
     written = json.loads((tmp_path / "out" / "picture.json").read_text())
+    assert Image.open(tmp_path / "out" / "picture.attention.png").size > (0, 0)  # the sampling points drawn
 
     loaded = Detector.load(tmp_path / "dino.safetensors", overrides=sizes, precision="float32")
     assert isinstance(loaded.model, DINO) and loaded.cfg.evaluation.top_k == 300  # DINO's config: its num_select
-    [result] = loaded.predict(image, threshold=0.0)
+    [result] = loaded.predict(image, threshold=0.0, attention=True)
     assert len(result) == 20 * 6  # every pair: fewer than DINO's 300
     assert written == json.loads(json.dumps(result.to_json()))
     [own] = original.predict(image, threshold=0.0)
