@@ -146,9 +146,12 @@ def train_step(trainer: Trainer, micro_batches: list, run: RunDirectory, progres
         raise CommandError(f"{message}; {run.standing_checkpoint()}") from None
     if trainer.steps == 1:  # the trainer's first: it measured (and checked) every sampling_offsets layer
         norms = trainer.sampling_offsets_grad_norms
-        run.log({"sampling_offsets_grad_norms": norms})
+        run.log({"sampling_offsets_grad_norms": norms, "by_query_group": trainer.branch_grad_norms})
         listed = ", ".join(f"{k.replace('transformer.', '')} {v:.3g}" for k, v in norms.items())
         run.print(f"sampling_offsets gradient norms, first step: {listed}")
+        for group, branch in trainer.branch_grad_norms.items():  # each training-only group's losses alone
+            smallest = min(branch.values(), default=0.0)
+            run.print(f"  of the {group} queries' losses alone: {len(branch)} layers, the smallest {smallest:.3g}")
     lr = trainer.optimizer.optimizers[-1].learning_rate.item()
     if not math.isfinite(losses["loss"]):
         stop_at_non_finite_loss(run, progress, losses, lr, grad_norm)
