@@ -188,7 +188,8 @@ class EvaluationConfig:
     # installed (auto), else pycocotools
     backend: str = field(default="auto", metadata={"choices": ("auto", "pycocotools", "faster_coco_eval")})
     # detections kept per image, the best (query, class) pairs: the authors' 100; H-Deformable-DETR's Swin-L
-    # 900-query model reports 57.6 AP with 300 (COCO's AP counts up to 100 per image and class)
+    # 900-query model reports 57.6 AP with 300, DINO's configs keep 300 (COCO's AP counts up to 100 per image and
+    # class); predict, slicing and the server keep as many
     top_k: int = field(default=100, metadata={"range": (1, 1 << 20)})
 
 
