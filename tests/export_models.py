@@ -19,12 +19,12 @@ SMALL = [
 ]
 
 
-def small_model(variant: str, padding_proposals_low: bool = True, seed: int = 0):
+def small_model(variant: str, padding_proposals_low: bool = True, seed: int = 0, extra: tuple = ()):
     """A small model of the variant, every weight off its init: normal noise (0.1) on every
     parameter, frozen batch norm's variances in [0.5, 1.5]. Two-stage: where `padding_proposals_low`,
     the proposals of padding (whose memory is zeroed, so all alike) score below the image's, as a
-    trained model's do; else random weights pick them first."""
-    cfg = load_config(CONFIGS_DIR / f"{variant}.yaml", SMALL)
+    trained model's do; else random weights pick them first. `extra`: overrides after SMALL's."""
+    cfg = load_config(CONFIGS_DIR / f"{variant}.yaml", [*SMALL, *extra])
     mx.random.seed(seed)
     model = build_model(cfg)
     model.eval()
@@ -76,11 +76,11 @@ def assert_close(ours, theirs, what):
     assert difference <= 1e-4, f"{what}: {difference:.2e} of the largest value"
 
 
-def small_checkpoint(tmp_path, variant="r50_two_stage"):
+def small_checkpoint(tmp_path, variant="r50_two_stage", extra: tuple = ()):
     from deformable_detr.training.optimizer import build_optimizer
     from deformable_detr.weights.checkpoint import save_checkpoint
 
-    model, cfg = small_model(variant)
+    model, cfg = small_model(variant, extra=extra)
     path = tmp_path / "checkpoint.safetensors"
     save_checkpoint(path, model, build_optimizer(cfg), cfg, {"epoch": 1, "step": 1, "global_step": 1}, {1: "thing"})
     return path, model
