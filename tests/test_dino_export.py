@@ -117,6 +117,20 @@ def test_onnx_file_gives_our_logits_and_boxes(variant, sampler, runtime):
     assert_same_predictions(ours, exported, variant)
 
 
+def test_detrexs_dino_heads_per_layer_and_the_authors_encoding(runtime):
+    """detrex's DINO (converted: weights/dino.py): a class and a box head per decoder layer, each refining its layer's
+    boxes, and the authors' position encoding (half-pixel offset, temperature 10000)."""
+    detrex = ("model.decoder_heads=per_layer", "model.position_offset=0.5", "model.position_temperature=10000")
+    model, cfg = small_model(FOUR_SCALE, extra=detrex)
+    assert len(model.bbox_embed) == cfg.model.dec_layers > 1
+    images, mask = padded_batch()
+    graph = build_onnx(model, cfg, canvas=CANVAS, batch=len(SIZES), sampler="gather")
+    exported = runtime(graph, graph_inputs(images, mask))
+    ours = model(mx.array(images), mx.array(mask))
+    assert_unambiguous_ranking(ours)
+    assert_same_predictions(ours, exported, "heads per layer")
+
+
 def test_padding_proposals_chosen_give_our_logits_and_boxes(runtime):
     """The padding's proposals ranked first (their memory zeroed, their boxes infinite in logit space): DINO's
     queries at boxes of 1, inverse_sigmoid at its eps 1e-3."""

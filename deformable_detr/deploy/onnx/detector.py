@@ -12,7 +12,7 @@ from ..check import detections_kept
 from .attention import Sizes
 from .backbone import input_projections, resnet
 from .builder import FLOAT, INT64, Graph
-from .dino import dino_decoder, dino_queries
+from .dino import dino_decoder, dino_queries, head_of
 from .encoding import flatten, level_mask, position_embedding, valid_ratios
 from .proposals import two_stage_queries
 from .transformer import decoder, encoder, inverse_sigmoid, mlp, single_stage_queries
@@ -70,7 +70,7 @@ def dino_predictions(g: Graph, memory: str, flat: dict, sizes: Sizes, groups, cf
     layer."""
     queries = dino_queries(g, memory, flat["mask"], flat["extent"], sizes, groups)
     tgt, reference = dino_decoder(g, queries, memory, flat["ratio"], flat["mask"], sizes, cfg)
-    return heads(g, tgt, reference, 4, 0, DINO_EPS)
+    return heads(g, tgt, reference, 4, head_of(g, cfg.dec_layers - 1), DINO_EPS)
 
 
 PREDICTIONS = {"deformable_detr": deformable_detr_predictions, "dino": dino_predictions}  # by model.architecture

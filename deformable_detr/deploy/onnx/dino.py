@@ -1,8 +1,8 @@
 """DINO's queries and decoder as ONNX (models/dino.py: DINOTransformer, DINODecoder): the encoder's proposals
 scored by the encoder's own heads and chosen by their best class, their boxes the queries' first references, the
 contents learnt (`tgt_embed`); each decoder layer's query positions made from its reference boxes, its output
-normed, the next layer's boxes refined by the shared box head from the output before the norm. The encoder and the
-decoder layer are the authors' (transformer.py)."""
+normed, the next layer's boxes refined by its box head (shared, or the layer's own: detrex's) from the output before
+the norm. The encoder and the decoder layer are the authors' (transformer.py)."""
 
 import math
 
@@ -34,6 +34,11 @@ def box_sine_embedding(g: Graph, boxes: str, num_feats: int, sizes: Sizes) -> st
     return g.reshape(sine(g, angles, num_feats), (sizes.batch, -1, 4 * num_feats))
 
 
+def head_of(g: Graph, layer: int) -> int:
+    """The index of decoder layer `layer`'s heads: 0 where they are shared (DINO's), else its own (detrex's)."""
+    return layer if "bbox_embed.1.layers.0.weight" in g.weights else 0
+
+
 def dino_decoder(g: Graph, queries: tuple, memory: str, valid_ratios: list, not_mask: str, sizes: Sizes, cfg):
     """queries: (tgt, reference boxes (N, Q, 4)) -> the last layer's normed output (N, Q, d) and the boxes it was
     given (the output's boxes are refined from them)."""
@@ -47,5 +52,5 @@ def dino_decoder(g: Graph, queries: tuple, memory: str, valid_ratios: list, not_
         query_pos = mlp(g, embedded, "transformer.decoder.ref_point_head", num_layers=2)
         tgt = decoder_layer(g, i, tgt, query_pos, scaled, 4, memory, not_mask, sizes, cfg)
         if i < layers - 1:  # the last layer's refinement is the output's box, from the normed output
-            reference = refine(g, tgt, reference, 4, "bbox_embed.0", DINO_EPS)
+            reference = refine(g, tgt, reference, 4, f"bbox_embed.{head_of(g, i)}", DINO_EPS)
     return g.layer_norm(tgt, "transformer.decoder.norm"), reference
