@@ -28,7 +28,7 @@ def test_a_shipped_config_by_name_anywhere(tmp_path, monkeypatch):
     (tmp_path / "shapes").write_text("seed: 7\n")  # a file of that name here is taken first
     assert load_config("shapes").seed == 7
     with pytest.raises(
-        UsageError, match=r"config file not found: nope \(a path, or a shipped config: custom, hdetr_r50_12ep"
+        UsageError, match=r"config file not found: nope \(a path, or a shipped config: custom, dino_r50_4scale_12ep"
     ):
         load_config("nope")
     with pytest.raises(UsageError, match="config file not found: elsewhere/r50.yaml"):

@@ -303,8 +303,8 @@ def failing_at_step(number: int, failure):
     """Trainer.step, with `failure(losses)` applied to (or raised at) the trainer's step `number`."""
     step = Trainer.step
 
-    def failing(self, micro_batches):
-        losses, grad_norm = step(self, micro_batches)
+    def failing(self, micro_batches, *args, **kwargs):
+        losses, grad_norm = step(self, micro_batches, *args, **kwargs)
         if self.steps == number:
             failure(losses)
         return losses, grad_norm
