@@ -62,8 +62,11 @@ def start(checkpoint, *options) -> tuple[subprocess.Popen, str]:
 def served(trained):  # noqa: F811
     root, output = trained
     checkpoint = output / "checkpoint.safetensors"
-    process, url = start(checkpoint, "--max-batch", "8", "--max-wait-ms", "300", "--max-body-mb", "1")
-    yield url, root, Detector.load(checkpoint)
+    # float32 on both sides: `auto` draws its bfloat16 line by timing, once a process, and two processes on a loaded
+    # machine can draw it at other rungs (CI: the server's at 9.4 M multiply-adds, scores 4e-5 off predict's)
+    precision = ("--precision", "float32")
+    process, url = start(checkpoint, "--max-batch", "8", "--max-wait-ms", "300", "--max-body-mb", "1", *precision)
+    yield url, root, Detector.load(checkpoint, precision="float32")
     process.terminate()
     exits_0(process)
 
