@@ -42,6 +42,12 @@ INFERENCE_ROWS = {
 
 def train_step(config: str, overrides: list, repeats: int) -> tuple[float, float]:
     """-> (median seconds a step, MLX's peak GiB over the measured steps)."""
+    seconds, peak = train_steps(config, overrides, repeats)
+    return statistics.median(seconds), peak
+
+
+def train_steps(config: str, overrides: list, repeats: int) -> tuple[list[float], float]:
+    """-> (each measured step's seconds, MLX's peak GiB over them): `repeats` steps after one warm-up."""
     batch = [
         "schedule.batch_size=2",
         "schedule.micro_batch_size=2",
@@ -63,7 +69,7 @@ def train_step(config: str, overrides: list, repeats: int) -> tuple[float, float
         started = time.perf_counter()
         trainer.step([(images, mask, targets)])
         seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds), mx.get_peak_memory() / 2**30
+    return seconds, mx.get_peak_memory() / 2**30
 
 
 def inference(config: str, overrides: list, repeats: int) -> float:
