@@ -7,7 +7,7 @@ epochs, AP after each and the training seconds spent.
 Target: python -m deformable_detr.data.shapes data/shapes_new --classes circle square hexagon star --seed 7
 --train 200 --val 100 (made if missing), as the fine-tune example. Each run: configs/shapes.yaml data.dataset=coco
 data.path=data/shapes_new model.num_classes=auto schedule.epochs=6 schedule.lr_drop=5 --finetune <its quick-start
-checkpoint>; the recipe's run with the recipe's keys (hybrid_quickstart.RECIPE).
+checkpoint>; each run with its recipe's keys (hybrid_quickstart.TWO_STAGE, RECIPE).
 """
 
 import argparse
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hybrid_quickstart import RECIPE, ROOT, table, train  # noqa: E402
+from hybrid_quickstart import RECIPE, ROOT, TWO_STAGE, table, train  # noqa: E402
 
 TARGET = ROOT / "data" / "shapes_new"
 FINETUNE = [
@@ -27,17 +27,24 @@ FINETUNE = [
 ]
 
 
+def make_target():
+    """The fine-tune example's set, made where it is missing."""
+    if not (TARGET / "annotations").is_dir():
+        make = [sys.executable, "-m", "deformable_detr.data.shapes", str(TARGET), "--classes", "circle", "square"]
+        make += ["hexagon", "star", "--seed", "7", "--train", "200", "--val", "100"]
+        subprocess.run(make, cwd=ROOT, check=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "output" / "bench_hybrid")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "hybrid_finetune_cpu.txt")
     args = parser.parse_args()
-    if not (TARGET / "annotations").is_dir():
-        make = [sys.executable, "-m", "deformable_detr.data.shapes", str(TARGET), "--classes", "circle", "square"]
-        make += ["hexagon", "star", "--seed", "7", "--train", "200", "--val", "100"]
-        subprocess.run(make, cwd=ROOT, check=True)
+    make_target()
     runs = {
-        "quick start": FINETUNE + [f"--finetune={args.runs_dir / 'quick_start' / 'checkpoint.safetensors'}"],
+        "quick start": TWO_STAGE
+        + FINETUNE
+        + [f"--finetune={args.runs_dir / 'quick_start' / 'checkpoint.safetensors'}"],
         "recipe": FINETUNE + RECIPE + [f"--finetune={args.runs_dir / 'recipe' / 'checkpoint.safetensors'}"],
     }
     curves = {name: train(f"finetune {name}", overrides, 6, args.runs_dir) for name, overrides in runs.items()}
