@@ -55,7 +55,7 @@ REFUSED = {
     "DINO without its two-stage": (
         ["model.architecture=dino"],
         "model.architecture dino needs model.two_stage, model.with_box_refine and model.mixed_selection (DINO's "
-        "code builds only that: configs/dino_r50_4scale.yaml)",
+        "code builds only that: configs/dino_r50_4scale_12ep.yaml)",
     ),
     "denoising without DINO": (
         ["model.dn_number=100"],

@@ -44,7 +44,7 @@ def model_problem(m: ModelConfig) -> str | None:
     if m.architecture == "dino" and not (m.two_stage and m.with_box_refine and m.mixed_selection):
         return (
             "model.architecture dino needs model.two_stage, model.with_box_refine and model.mixed_selection (DINO's "
-            "code builds only that: configs/dino_r50_4scale.yaml)"
+            "code builds only that: configs/dino_r50_4scale_12ep.yaml)"
         )
     if m.architecture == "dino" and m.num_queries_one2many:
         return "model.num_queries_one2many (H-Deformable-DETR's hybrid branch): not built with model.architecture dino"
