@@ -30,6 +30,16 @@ def cpu_model(count: bool = False) -> str:
     return f"{names[0]} x {len(names)}" if count else names[0]
 
 
+def cpu_features() -> str:
+    """The CPU's bfloat16 and matrix features as /proc/cpuinfo names them (what makes its products fast), or none."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "flags unknown"
+    found = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags.split()]
+    return "flags " + (", ".join(found) if found else "without avx512_bf16 or amx")
+
+
 # What makes a newer x86 CPU compute as an older one does, for each library (bench/README.md#reproduce):
 # oneDNN's kernels (ours and PyTorch's), OpenBLAS's and our attention kernel's (ours), ATen's vector
 # code and MKL's (PyTorch's).

@@ -35,7 +35,7 @@ from deformable_detr.models.dino import box_sine_embedding  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from common import cpu_model, load_average, report  # noqa: E402
+from common import cpu_features, cpu_model, load_average, report  # noqa: E402
 from hdetr_cost import train_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,16 +55,6 @@ INFERENCE_ROWS = {
     "DINO, 300 queries, FFN 1024": (DINO, FEWER + ["model.dim_feedforward=1024"]),
 }
 SIZE = (800, 1066)
-
-
-def cpu_features() -> str:
-    """The CPU's bfloat16 and matrix features as /proc/cpuinfo names them (what makes its products fast), or none."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "flags unknown"
-    found = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags.split()]
-    return "flags " + (", ".join(found) if found else "without avx512_bf16 or amx")
 
 
 def timed_rounds(calls: dict, rounds: int, repeats: int) -> dict:

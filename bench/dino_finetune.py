@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import report  # noqa: E402
 from dino_quickstart import recipe  # noqa: E402
-from hybrid_finetune import FINETUNE, make_target  # noqa: E402
-from hybrid_quickstart import ROOT, TWO_STAGE, at_seconds, table, train  # noqa: E402
+from hybrid_finetune import finetune_each  # noqa: E402
+from hybrid_quickstart import ROOT, TWO_STAGE, at_seconds, table  # noqa: E402
 
 
 def main():
@@ -23,12 +24,7 @@ def main():
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "output" / "bench_dino")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "dino_finetune_cpu.txt")
     args = parser.parse_args()
-    make_target()
-    runs = {  # its recipe's keys after FINETUNE's: the lr drop at 5 of 6 epochs for both
-        "two-stage": TWO_STAGE + FINETUNE + [f"--finetune={args.runs_dir / 'two-stage' / 'checkpoint.safetensors'}"],
-        "DINO": recipe(20) + FINETUNE + [f"--finetune={args.runs_dir / 'DINO_N=20' / 'checkpoint.safetensors'}"],
-    }
-    curves = {name: train(f"finetune {name}", overrides, 6, args.runs_dir) for name, overrides in runs.items()}
+    curves = finetune_each({"two-stage": (TWO_STAGE, "two-stage"), "DINO": (recipe(20), "DINO_N=20")}, args.runs_dir)
     base, dino = curves["two-stage"], curves["DINO"]
     lines = table(__doc__.split("\n\n")[0], base, dino, ("two-stage", "DINO"))
     reached = at_seconds(dino, base[-1]["seconds"])
@@ -38,8 +34,7 @@ def main():
         f"equal time (the two-stage run's {base[-1]['seconds']:.0f} s): DINO at epoch {reached['epoch']} "
         f"({reached['seconds']:.0f} s) AP {reached['AP']:.3f}",
     ]
-    args.output.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    report(lines, args.output)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, load_average  # noqa: E402
-from hybrid_quickstart import TWO_STAGE, at_seconds, train  # noqa: E402
+from common import cpu_features, cpu_model, load_average, report  # noqa: E402
+from hybrid_quickstart import ROOT, TWO_STAGE, at_seconds, train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = [
     "model.architecture=dino",
     "model.mixed_selection=true",
@@ -151,8 +150,6 @@ def main():
     parser.add_argument("--other-seeds", type=int, nargs="*", default=[1], help="the two-stage model and DINO again")
     parser.add_argument("--reuse", action="store_true", help="read finished runs and the step costs again")
     args = parser.parse_args()
-    from dino_cost import cpu_features
-
     first, quick, dino_name = args.dn_numbers[0], "two-stage", f"DINO N={args.dn_numbers[0]}"
     recipes = {quick: TWO_STAGE, **{f"DINO N={n}": recipe(n) for n in args.dn_numbers}}
     saved = measured_costs(recipes, args.cost_rounds, args.runs_dir / "step_costs.json", args.reuse)
@@ -247,9 +244,8 @@ def main():
         "their load and the step costs, alternating, decide the equal-time comparison): " + "; ".join(loads),
         f"after the last run: {load_average()}",
     ]
-    args.output.write_text("\n".join(lines) + "\n")
+    report(lines, args.output)
     picture(curves, args.output.with_suffix(".png"))
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import report  # noqa: E402
 from hybrid_quickstart import RECIPE, ROOT, TWO_STAGE, table, train  # noqa: E402
 
 TARGET = ROOT / "data" / "shapes_new"
@@ -35,23 +36,24 @@ def make_target():
         subprocess.run(make, cwd=ROOT, check=True)
 
 
+def finetune_each(runs: dict, runs_dir: Path) -> dict:
+    """name -> (its recipe's keys, the folder under `runs_dir` of the quick-start run it starts from): each fine-tuned
+    6 epochs on the target, FINETUNE's keys after the recipe's (the fine-tune's schedule wins) -> name -> its curve."""
+    make_target()
+    curves = {}
+    for name, (recipe, start) in runs.items():
+        overrides = recipe + FINETUNE + [f"--finetune={runs_dir / start / 'checkpoint.safetensors'}"]
+        curves[name] = train(f"finetune {name}", overrides, 6, runs_dir)
+    return curves
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "output" / "bench_hybrid")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "hybrid_finetune_cpu.txt")
     args = parser.parse_args()
-    make_target()
-    runs = {
-        "quick start": TWO_STAGE
-        + FINETUNE
-        + [f"--finetune={args.runs_dir / 'quick_start' / 'checkpoint.safetensors'}"],
-        "recipe": FINETUNE + RECIPE + [f"--finetune={args.runs_dir / 'recipe' / 'checkpoint.safetensors'}"],
-    }
-    curves = {name: train(f"finetune {name}", overrides, 6, args.runs_dir) for name, overrides in runs.items()}
-    base, recipe = curves["quick start"], curves["recipe"]
-    lines = table(__doc__.split("\n\n")[0], base, recipe)
-    args.output.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    curves = finetune_each({"quick start": (TWO_STAGE, "quick_start"), "recipe": (RECIPE, "recipe")}, args.runs_dir)
+    report(table(__doc__.split("\n\n")[0], curves["quick start"], curves["recipe"]), args.output)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, load_average  # noqa: E402
+from common import cpu_model, load_average, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # configs/shapes.yaml's keys as they were before it took DINO's recipe: the authors' two-stage model with box
@@ -158,9 +158,8 @@ def main():
         f"{long_run[-1]['AP75']:.3f}",
         f"a recipe step costs {recipe[-1]['seconds'] / base[-1]['seconds']:.2f}x a quick start step",
     ]
-    args.output.write_text("\n".join(lines) + "\n")
+    report(lines, args.output)
     picture(curves, args.output.with_suffix(".png"))
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
