@@ -55,9 +55,20 @@ def for_float32(*arrays):
     """The extension where its float32 CPU operations can take `arrays` (built, the default device
     the CPU, every array float32, not in `export_mode()`), or None: then the caller computes with MLX's
     own operations."""
+    return _for(arrays, (mx.float32,))
+
+
+def for_float32_or_bfloat16(*arrays):
+    """The extension where its CPU operations that read float32 or bfloat16 (bfloat16 computed in float32,
+    rounded back as MLX's bfloat16 operations round) can take `arrays`: as `for_float32`, each array
+    float32 or bfloat16. Whether an operation needs them of one dtype, its caller asks."""
+    return _for(arrays, (mx.float32, mx.bfloat16))
+
+
+def _for(arrays, dtypes):
     extension = module()
     if extension is None or exporting() or mx.default_device().type != mx.cpu:
         return None
-    if any(a.dtype != mx.float32 for a in arrays):
+    if any(a.dtype not in dtypes for a in arrays):
         return None
     return extension
