@@ -15,6 +15,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "bfloat16.h"
 #include "dispatch.h"
 #include "ops.h"
 #include "parallel.h"
@@ -30,7 +31,7 @@ namespace {
 // RELU: max(x, 0) * scale, no condition (a ReLU: scale 1).
 enum Mode { KEEP = 0, KEEP_RELU = 1, POSITIVE = 2, KEEP_VJP = 3, RELU = 4 };
 
-// T: float or MLX's bfloat16 (its conversions to and from float, so MLX's rounding). condition: keep
+// T: float or bfloat16 (bfloat16.h: MLX's rounding). condition: keep
 // (bool) or a ReLU's output (T, kept where positive); none for RELU. Written without branches, and built
 // with -fno-trapping-math, so that the compiler makes vector selects of it: as branches on random keeps
 // and signs (a ReLU's input) it mispredicted about every other element.
@@ -38,7 +39,7 @@ template <typename T, int MODE, bool SCALED>
 static inline __attribute__((always_inline)) void masked_loop(const T* x, const void* condition, float scale, T* out,
                                                               int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {  // out may be x's buffer: element i is read before it is written
-    const float xi = static_cast<float>(x[i]);
+    const float xi = kernels_native::to_float(x[i]);
     float v = xi;
     if constexpr (MODE == KEEP_RELU || MODE == RELU) {
       const float positive = v > 0.0f ? v : 0.0f;
@@ -48,15 +49,16 @@ static inline __attribute__((always_inline)) void masked_loop(const T* x, const 
       v = v * scale;  // where(output > 0, g, 0), a ReLU's gradient, has no multiply
     }
     if constexpr (MODE == RELU) {
-      out[i] = static_cast<T>(v);
+      out[i] = kernels_native::from_float<T>(v);
     } else if constexpr (MODE == POSITIVE) {
-      out[i] = static_cast<T>(static_cast<float>(static_cast<const T*>(condition)[i]) > 0.0f ? v : 0.0f);
+      const float positive = kernels_native::to_float(static_cast<const T*>(condition)[i]);
+      out[i] = kernels_native::from_float<T>(positive > 0.0f ? v : 0.0f);
     } else if constexpr (MODE == KEEP_VJP) {
       // MLX rounds x * float(keep) and then its product with the scale; x * 1 and x * 0 are exact, so one rounding
       const float dropped = SCALED ? (xi * 0.0f) * scale : xi * 0.0f;
-      out[i] = static_cast<T>(static_cast<const uint8_t*>(condition)[i] != 0 ? v : dropped);
+      out[i] = kernels_native::from_float<T>(static_cast<const uint8_t*>(condition)[i] != 0 ? v : dropped);
     } else {
-      out[i] = static_cast<T>(static_cast<const uint8_t*>(condition)[i] != 0 ? v : 0.0f);
+      out[i] = kernels_native::from_float<T>(static_cast<const uint8_t*>(condition)[i] != 0 ? v : 0.0f);
     }
   }
 }
@@ -106,8 +108,8 @@ constexpr Span WIDE_SPANS[] = {masked_span_wide<T, KEEP>, masked_span_wide<T, KE
 std::pair<Span, float> span_for(mx::Dtype dtype, int mode, float scale) {
   static const bool wide = wide_supported();
   if (dtype == mx::bfloat16) {
-    return {(wide ? WIDE_SPANS<mx::bfloat16_t> : SPANS<mx::bfloat16_t>)[mode],
-            static_cast<float>(static_cast<mx::bfloat16_t>(scale))};
+    using kernels_native::bfloat16;
+    return {(wide ? WIDE_SPANS<bfloat16> : SPANS<bfloat16>)[mode], kernels_native::rounded_to<bfloat16>(scale)};
   }
   return {(wide ? WIDE_SPANS<float> : SPANS<float>)[mode], scale};
 }
@@ -170,7 +172,7 @@ class MaskedScale : public mx::UnaryPrimitive {
 };
 
 array masked(const array& x, const std::optional<array>& condition, int mode, float scale, int threads) {
-  if ((x.dtype() != mx::float32 && x.dtype() != mx::bfloat16) || (condition && condition->shape() != x.shape())) {
+  if (!kernels_native::float32_or_bfloat16(x.dtype()) || (condition && condition->shape() != x.shape())) {
     throw std::invalid_argument("masked_scale: x float32 or bfloat16 and a condition of its shape");
   }
   const auto stream = mx::default_stream(mx::Device::cpu);
