@@ -161,31 +161,68 @@ def kept_weights():
     return None if extension is None else extension.KeptWeights(WEIGHTS_MIB.value() << 20)
 
 
-def conv2d(x: mx.array, weight: mx.array, stride: int = 1, padding: int = 0, dilation: int = 1):
+def conv2d(
+    x: mx.array,
+    weight: mx.array,
+    stride: int = 1,
+    padding: int = 0,
+    dilation: int = 1,
+    bias=None,
+    residual=None,
+    relu: bool = False,
+    keep_bfloat16: bool = False,
+    dtype=None,
+):
     """`mx.conv2d(x, weight, stride, padding, dilation)` (x (N, H, W, C), weight (O, k, k, C)) on oneDNN,
     differentiable w.r.t. both, in x's dtype; or None where oneDNN is not used (see the module) or has
     no fast kernel for this shape (remembered per shape): the caller then computes it its own way. Where
     it has a fast forward but no fast backward pass, the gradients are the patches' (im2col and col2im
-    on every core, as deformable_detr/models/convolution.py's takes them)."""
+    on every core, as deformable_detr/models/convolution.py's takes them).
+
+    What follows the convolution in a network runs as oneDNN post-ops, in the same pass: `bias` (O,) added,
+    then `residual` (the result's shape) added, then max(., 0) where `relu` (all differentiable: the ReLU's
+    gradient is the cotangent where the result is positive). The result's dtype: `dtype` where given, else
+    with `keep_bfloat16` bfloat16 where the products run in bfloat16 (for the next convolution to take as it
+    is: a float32 result would be converted back at its next use), else x's. A bfloat16 x whose products
+    `auto`'s rule puts in float32 is widened first."""
     extension = _usable(x, weight)
     if extension is None:
         return None
     bfloat16, kept = _in_bfloat16("conv", x.shape, weight.shape, stride, padding, dilation)
-    return extension.conv2d(x, weight, stride, padding, dilation, bfloat16, kept, threads())
+    if bias is None and residual is None and not relu and not keep_bfloat16 and dtype is None:
+        return extension.conv2d(x, weight, stride, padding, dilation, bfloat16, kept, threads())
+    x, result = _operand_and_result(x, weight, bfloat16, keep_bfloat16, dtype)
+    return extension.conv2d_fused(
+        x, weight, bias, residual, relu, result, stride, padding, dilation, bfloat16, kept, threads()
+    )
 
 
-def linear(x: mx.array, weight: mx.array, bias=None):
+def linear(x: mx.array, weight: mx.array, bias=None, relu: bool = False, keep_bfloat16: bool = False, dtype=None):
     """x @ weight.T + bias (x (..., in), weight (out, in), bias (out,) or None) on oneDNN, differentiable
     w.r.t. all three, in x's dtype; or None where oneDNN is not used (see the module) or has no fast
-    kernel for it (remembered per shape)."""
+    kernel for it (remembered per shape). `relu`: max(., 0) as the product's post-op, in the same pass;
+    the result's dtype: `dtype`, or bfloat16 with `keep_bfloat16` where the product runs in bfloat16 (for
+    the next product to take as it is), else x's, as conv2d's."""
     operands = (x, weight) if bias is None else (x, weight, bias)
     extension = _usable(*operands)
     if extension is None or x.ndim == 0 or (bias is not None and bias.ndim != 1):
         return None
     bfloat16, kept = _in_bfloat16("linear", x.shape, weight.shape)
+    x, result = _operand_and_result(x, weight, bfloat16, keep_bfloat16, dtype)
     flat = x.reshape(-1, x.shape[-1])
-    y = extension.product(flat, weight, bias, False, True, bfloat16, kept, threads())
+    y = extension.product(flat, weight, bias, False, True, bfloat16, kept, threads(), relu, result)
     return None if y is None else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _operand_and_result(x, weight, bfloat16: bool, keep_bfloat16: bool, dtype) -> tuple[mx.array, str]:
+    """(x as the product takes it, the result's dtype by name) for conv2d's and linear's rules: a bfloat16 x
+    (handed on by a product before) whose products the rule puts in float32 widened first."""
+    if not bfloat16 and x.dtype == mx.bfloat16 and weight.dtype == mx.float32:
+        x = x.astype(mx.float32)
+    in_bfloat16 = bfloat16 or mx.bfloat16 in (x.dtype, weight.dtype)
+    if dtype is None:
+        dtype = mx.bfloat16 if keep_bfloat16 and in_bfloat16 else x.dtype
+    return x, "bfloat16" if dtype == mx.bfloat16 else "float32"
 
 
 def _in_bfloat16(kind: str, x_shape, w_shape, *geometry) -> tuple[bool, object]:

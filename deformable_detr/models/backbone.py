@@ -9,7 +9,7 @@ import mlx.nn as nn
 
 from .backbone_base import STAGE_STRIDES, BackboneBase, stages_returned
 from .convolution import Conv2d
-from .precision import FrozenBatchNorm2d
+from .precision import FrozenBatchNorm2d, to
 from .recompute import checkpointed
 
 # name -> (block, blocks per stage)
@@ -39,9 +39,9 @@ class BasicBlock(nn.Module):
             self.downsample = downsample
 
     def __call__(self, x):
-        out = self.bn1(self.conv1(x), relu=True)
-        identity = x if "downsample" not in self else _sequential(self.downsample, x)
-        return self.bn2(self.conv2(out), residual=identity, relu=True)
+        out = self.conv1.with_batch_norm(x, self.bn1, relu=True)
+        identity = _downsampled(self, x)
+        return self.conv2.with_batch_norm(out, self.bn2, residual=identity, relu=True)
 
 
 class Bottleneck(nn.Module):
@@ -59,10 +59,18 @@ class Bottleneck(nn.Module):
             self.downsample = downsample
 
     def __call__(self, x):
-        out = self.bn1(self.conv1(x), relu=True)
-        out = self.bn2(self.conv2(out), relu=True)
-        identity = x if "downsample" not in self else _sequential(self.downsample, x)
-        return self.bn3(self.conv3(out), residual=identity, relu=True)
+        out = self.conv1.with_batch_norm(x, self.bn1, relu=True)
+        out = self.conv2.with_batch_norm(out, self.bn2, relu=True)
+        identity = _downsampled(self, x)
+        return self.conv3.with_batch_norm(out, self.bn3, residual=identity, relu=True)
+
+
+def _downsampled(block, x):
+    """A block's identity: x, or its downsample (a 1 x 1 convolution and its frozen batch norm) of x."""
+    if "downsample" not in block:
+        return x
+    convolution, norm = block.downsample
+    return convolution.with_batch_norm(x, norm)
 
 
 def _sequential(layers, x):
@@ -116,8 +124,10 @@ class ResNet(nn.Module):
         self.num_channels = [widths[i] * block.expansion for i in self.stages]
         self.activation_checkpointing = False  # recompute layer2..layer4 in the backward (recompute.py)
 
-    def __call__(self, x):
-        x = self.maxpool(self.bn1(self.conv1(x), relu=True))
+    def __call__(self, images):
+        """The maps of `stages`, in the images' dtype: inside, each convolution hands the next its result as it
+        wants it (bfloat16 where their products run in bfloat16, Conv2d.with_batch_norm)."""
+        x = self.maxpool(self.conv1.with_batch_norm(images, self.bn1, relu=True))
         outputs = []
         for stage in range(1, 5):
             blocks = getattr(self, f"layer{stage}")
@@ -128,7 +138,7 @@ class ResNet(nn.Module):
                 enabled=self.activation_checkpointing and stage > 1,
             )
             if stage - 1 in self.stages:
-                outputs.append(x)
+                outputs.append(to(x, images.dtype))
         return outputs
 
 

@@ -66,7 +66,13 @@ def with_feed_forward(layer, d_model: int, d_ffn: int, dropout: float, norm: str
 def feed_forward(layer, x, norm):
     """An encoder or decoder layer's last sublayer (the authors' forward_ffn): `layer`'s linear1, ReLU, dropout,
     linear2, dropout, the residual, then `norm`."""
-    ffn = layer.linear2(layer.dropout(layer.linear1(x), after_relu=True))
+    # The ReLU as linear1's post-op, its result in bfloat16 where the products run in bfloat16 (linear2 takes it as it
+    # is, and gives x's dtype back), where oneDNN runs it and no dropout follows (inference; dropout 0); with dropout,
+    # ReLU and dropout in one pass (recompute.Dropout).
+    hidden = None if layer.dropout.active else layer.linear1.with_relu(x)
+    if hidden is None:
+        hidden = layer.dropout(layer.linear1(x), after_relu=True)
+    ffn = layer.linear2(hidden, dtype=x.dtype)
     return norm(x + layer.dropout(ffn))
 
 

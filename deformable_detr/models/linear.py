@@ -8,5 +8,17 @@ import mlx.nn as nn
 
 
 class Linear(nn.Linear):
-    def __call__(self, x):
-        return kernels.linear(x, self.weight, self["bias"] if "bias" in self else None)
+    def __call__(self, x, dtype=None):
+        """The product, in `dtype` where given (a bfloat16 x from `with_relu` gives its float32 back) and oneDNN
+        computes it, else in x's."""
+        if dtype is not None:
+            y = kernels.onednn.linear(x, self.weight, self.get("bias"), dtype=dtype)
+            if y is not None:
+                return y
+        return kernels.linear(x, self.weight, self.get("bias"))
+
+    def with_relu(self, x):
+        """relu(self(x)) with the ReLU as the oneDNN product's post-op (one pass less over the result), the
+        result bfloat16 where the product runs in bfloat16 (the next product takes it as it is: an FFN's); None
+        where oneDNN does not compute it: the caller computes it its own way."""
+        return kernels.onednn.linear(x, self.weight, self.get("bias"), relu=True, keep_bfloat16=True)

@@ -45,10 +45,11 @@ def widened(x: mx.array) -> mx.array:
 
 class LayerNorm(nn.LayerNorm):
     """In float32 (or float64) whatever the input's dtype; the result in the input's. On
-    `kernels.layer_norm` (MLX's, faster on the CPU)."""
+    `kernels.layer_norm` (MLX's, faster on the CPU), which reads and writes bfloat16 as it is (computing
+    in float32) where widening it and narrowing the result made two more passes each way."""
 
     def __call__(self, x):
-        return to(kernels.layer_norm(widened(x), self.weight, self.bias, self.eps), x.dtype)
+        return kernels.layer_norm(x, widened(self.weight), widened(self.bias), self.eps, dtype=x.dtype)
 
 
 class GroupNorm(nn.GroupNorm):
@@ -73,9 +74,15 @@ class FrozenBatchNorm2d(nn.Module):
         self.eps = eps
         self.freeze()
 
+    def scale_and_shift(self) -> tuple[mx.array, mx.array]:
+        """(scale, shift) per channel, float32 (`computing_in` keeps the norm's parameters float32): the norm is
+        x * scale + shift. What a convolution folds it into (models/convolution.Conv2d.with_batch_norm)."""
+        scale = self.weight * mx.rsqrt(self.running_var + self.eps)
+        return scale, self.bias - self.running_mean * scale
+
     def __call__(self, x, residual=None, relu: bool = False):
-        scale = self.weight * mx.rsqrt(self.running_var + self.eps)  # float32: `computing_in` keeps it
-        shift = to(self.bias - self.running_mean * scale, x.dtype)
+        scale, shift = self.scale_and_shift()
+        shift = to(shift, x.dtype)
         scale = to(scale, x.dtype)
         if not self.training:
             return kernels.channel_affine(x, scale, shift, residual, relu)

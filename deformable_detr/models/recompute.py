@@ -129,6 +129,11 @@ class Dropout(nn.Module):
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
 
+    @property
+    def active(self) -> bool:
+        """Whether it drops anything: in training, with p > 0."""
+        return self.training and self.p > 0
+
     def __call__(self, x, after_relu: bool = False):
         """dropout(x), or with `after_relu` dropout(relu(x)) as one op that keeps only its output."""
         if not self.training or self.p == 0:

@@ -43,9 +43,11 @@
 // This file: what the kinds share (onednn_shared.h), the caches and the module's answers about them;
 // convolutions in onednn_conv.cpp, products in onednn_product.cpp.
 
+#include <omp.h>
 #include <sys/mman.h>
 
 #include <atomic>
+#include <cstring>
 #include <cstdlib>
 #include <list>
 #include <memory>
@@ -55,6 +57,9 @@
 #include <unordered_map>
 #include <utility>
 
+#include "mlx/primitives.h"
+
+#include "dispatch.h"
 #include "onednn_shared.h"
 
 namespace kernels_onednn {
@@ -73,6 +78,13 @@ dt dnnl_type(mx::Dtype type) {
   if (type == mx::float32) return dt::f32;
   if (type == mx::bfloat16) return dt::bf16;
   throw std::invalid_argument("kernels._onednn: float32 or bfloat16 only");
+}
+
+dt result_type(const std::string& result, dt otherwise) {
+  if (result.empty()) return otherwise;
+  if (result == "float32") return dt::f32;
+  if (result == "bfloat16") return dt::bf16;
+  throw std::invalid_argument("kernels._onednn: a result in float32 or bfloat16, not " + result);
 }
 
 // Every primitive's attributes: the scratchpad is the caller's, for one call (see the top).
@@ -247,6 +259,63 @@ size_t KeptWeights::capacity() const { return copies->capacity(); }
 Weight weight_as_wanted(const std::shared_ptr<WeightCopies>& kept, const std::shared_ptr<mx::array::Data>& source,
                         const void* data, const dnnl::memory::desc& plain, const dnnl::memory::desc& wanted) {
   return kept ? kept->get(source, data, plain, wanted) : Weight{as_wanted(plain, data, wanted), nullptr};
+}
+
+// ---------------------------------------------------------------------------------------------------
+// relu_gradient (onednn_shared.h): for the VJPs of products and convolutions with a fused ReLU.
+
+namespace {
+
+float widened(float v) { return v; }
+float widened(uint16_t bits) {  // bfloat16: the high half of a float32
+  const uint32_t word = uint32_t(bits) << 16;
+  float v;
+  std::memcpy(&v, &word, sizeof v);
+  return v;
+}
+
+template <typename T>
+void masked_where_positive(const T* g, const T* y, T* out, int64_t size) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < size; ++i) out[i] = widened(y[i]) > 0.0f ? g[i] : T(0);
+}
+
+class ReluGradient : public mx::UnaryPrimitive {
+ public:
+  ReluGradient(mx::Stream stream, int threads) : mx::UnaryPrimitive(stream), threads_(threads) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out}, {0});
+    const bool bfloat16 = out.dtype() == mx::bfloat16;
+    encoder.dispatch([g = inputs[0].data<void>(), y = inputs[1].data<void>(), o = out.data<void>(),
+                      size = int64_t(out.size()), bfloat16, threads = threads_]() {
+      omp_set_num_threads(threads);
+      if (bfloat16) {
+        masked_where_positive(static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(y),
+                              static_cast<uint16_t*>(o), size);
+      } else {
+        masked_where_positive(static_cast<const float*>(g), static_cast<const float*>(y), static_cast<float*>(o), size);
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("kernels._onednn runs on the CPU only");
+  }
+  const char* name() const override { return "KernelsOnednnReluGradient"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return threads_ == static_cast<const ReluGradient&>(other).threads_;
+  }
+
+ private:
+  int threads_;
+};
+
+}  // namespace
+
+mx::array relu_gradient(const mx::array& g, const mx::array& y, int threads) {
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  auto cotangent = mx::contiguous(mx::astype(g, y.dtype(), stream), false, stream);
+  return mx::array(y.shape(), y.dtype(), std::make_shared<ReluGradient>(stream, threads),
+                   {cotangent, mx::contiguous(y, false, stream)});
 }
 
 std::string describe() {

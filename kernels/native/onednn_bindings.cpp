@@ -27,8 +27,11 @@ NB_MODULE(_onednn, m) {
   const auto without_gil = nb::call_guard<nb::gil_scoped_release>();
   m.def("conv2d", &kernels_onednn::conv2d, "x"_a, "weight"_a, "stride"_a, "padding"_a, "dilation"_a, "bfloat16"_a,
         "kept"_a.none(), "threads"_a, without_gil);
+  m.def("conv2d_fused", &kernels_onednn::conv2d_fused, "x"_a, "weight"_a, "bias"_a.none(), "residual"_a.none(),
+        "relu"_a, "result"_a, "stride"_a, "padding"_a, "dilation"_a, "bfloat16"_a, "kept"_a.none(),
+        "threads"_a, without_gil);
   m.def("product", &kernels_onednn::product, "a"_a, "b"_a, "bias"_a.none(), "transpose_a"_a, "transpose_b"_a,
-        "bfloat16"_a, "kept"_a.none(), "threads"_a, without_gil);
+        "bfloat16"_a, "kept"_a.none(), "threads"_a, "relu"_a = false, "result"_a = "", without_gil);
   m.def("describe", &kernels_onednn::describe);
   m.def("conv2d_implementation", &kernels_onednn::conv2d_implementation, "x"_a, "weight"_a, "stride"_a, "padding"_a,
         "dilation"_a, "bfloat16"_a, "backward"_a = false);

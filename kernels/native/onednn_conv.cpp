@@ -150,6 +150,10 @@ std::shared_ptr<ConvPlan> conv_plan(const ConvShape& s) {
 
 enum class ConvPass { forward, data, weights };
 
+std::vector<array> conv_gradients(const ConvShape& s, const std::shared_ptr<ConvPlan>& plan,
+                                  const std::vector<array>& primals, const array& cotangent_given,
+                                  const std::vector<int>& argnums, int threads, mx::Stream on);
+
 // One Primitive for the three passes: forward (x, w) -> y; data (cotangent, w) -> grad x; weights (x,
 // cotangent) -> grad w. It holds its plan: an evicted plan lives while a graph still uses it.
 class Conv : public mx::UnaryPrimitive {
@@ -209,71 +213,11 @@ class Conv : public mx::UnaryPrimitive {
   std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
                          const std::vector<int>& argnums, const std::vector<array>&) override {
     if (pass_ != ConvPass::forward) throw std::runtime_error("kernels._onednn conv2d: no second derivatives");
-    plan_->make_backward(s_);
-    const bool float32 = s_.x_type == dt::f32 && s_.w_type == dt::f32 && s_.product == dt::f32;
-    for (int arg : argnums) {  // a pass neither oneDNN nor the patches run (bfloat16): MLX's, all of them
-      if (!float32 && !(arg == 0 ? plan_->data_refused : plan_->weights_refused).empty()) {
-        return mlx_vjp(primals, cotangents, argnums);
-      }
-    }
-    const auto& x = primals[0];
-    const auto& w = primals[1];
-    auto cotangent = mx::contiguous(mx::astype(cotangents[0], x.dtype(), stream()), false, stream());
-    std::vector<array> grads;
-    for (int arg : argnums) {
-      if (arg == 0 && plan_->data_refused.empty()) {
-        grads.push_back(array(x.shape(), x.dtype(),
-                              std::make_shared<Conv>(stream(), s_, plan_, ConvPass::data, nullptr, threads_),
-                              {cotangent, w}));
-      } else if (arg == 1 && plan_->weights_refused.empty()) {
-        grads.push_back(array(w.shape(), w.dtype(),
-                              std::make_shared<Conv>(stream(), s_, plan_, ConvPass::weights, nullptr, threads_),
-                              {x, cotangent}));
-      } else {
-        grads.push_back(patches_gradient(arg, x, w, cotangent));
-      }
-    }
-    return grads;
+    return conv_gradients(s_, plan_, primals, cotangents[0], argnums, threads_, stream());
   }
 
   const char* name() const override { return "KernelsOnednnConv"; }
 
-  // A gradient as deformable_detr/models/convolution.py's patches take it (float32), on every core: the
-  // weight's (arg 1), the cotangent times the input's patches (im2col); the input's (arg 0), the transpose
-  // of patches (col2im) of the cotangent times the weight. For a pass oneDNN has no fast or right kernel
-  // for, or one the patches beat (ConvPlan).
-  array patches_gradient(int arg, const array& x, const array& w, const array& cotangent) {
-    const mx::Stream on = stream();
-    const auto rows = mx::reshape(cotangent, {-1, s_.o}, on);
-    if (arg == 0) {
-      auto columns = mx::matmul(rows, mx::reshape(w, {s_.o, -1}, on), on);
-      columns = mx::reshape(columns, {s_.n, s_.out_h(), s_.out_w(), -1}, on);
-      return kernels::unpatches(columns, s_.h, s_.w, s_.kh, s_.kw, s_.stride, s_.padding, s_.dilation, threads_);
-    }
-    auto columns = kernels::patches(x, s_.kh, s_.kw, s_.stride, s_.padding, s_.dilation, threads_);
-    columns = mx::reshape(columns, {-1, s_.kh * s_.kw * s_.c}, on);
-    return mx::reshape(mx::matmul(mx::transpose(rows, on), columns, on), w.shape(), on);
-  }
-
-  // The gradients of mx::conv2d of the operands as the products used them (bfloat16 operands or products).
-  std::vector<array> mlx_vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
-                             const std::vector<int>& argnums) {
-    const auto product = s_.product == dt::bf16 ? mx::bfloat16 : mx::float32;
-    const ConvShape s = s_;
-    const mx::Stream on = stream();
-    std::function<std::vector<array>(const std::vector<array>&)> forward = [s, product,
-                                                                            on](const std::vector<array>& in) {
-      auto x = mx::astype(in[0], product, on), w = mx::astype(in[1], product, on);
-      return std::vector<array>{mx::conv2d(x, w, std::make_pair(s.stride, s.stride),
-                                           std::make_pair(s.padding, s.padding),
-                                           std::make_pair(s.dilation, s.dilation), 1, on)};
-    };
-    std::vector<array> cotangent{mx::astype(cotangents[0], product, on)};
-    auto [outputs, all] = mx::vjp(forward, primals, cotangent);
-    std::vector<array> grads;
-    for (int arg : argnums) grads.push_back(mx::astype(all[arg], primals[arg].dtype(), stream()));
-    return grads;
-  }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Conv&>(other);
     return s_.key() == o.s_.key() && pass_ == o.pass_ && kept_ == o.kept_ && threads_ == o.threads_;
@@ -287,6 +231,72 @@ class Conv : public mx::UnaryPrimitive {
   int threads_;
 };
 
+// A gradient as deformable_detr/models/convolution.py's patches take it (float32), on every core: the
+// weight's (arg 1), the cotangent times the input's patches (im2col); the input's (arg 0), the transpose
+// of patches (col2im) of the cotangent times the weight. For a pass oneDNN has no fast or right kernel
+// for, or one the patches beat (ConvPlan).
+array patches_gradient(const ConvShape& s, int arg, const array& x, const array& w, const array& cotangent, int threads,
+                       mx::Stream on) {
+  const auto rows = mx::reshape(cotangent, {-1, s.o}, on);
+  if (arg == 0) {
+    auto columns = mx::matmul(rows, mx::reshape(w, {s.o, -1}, on), on);
+    columns = mx::reshape(columns, {s.n, s.out_h(), s.out_w(), -1}, on);
+    return kernels::unpatches(columns, s.h, s.w, s.kh, s.kw, s.stride, s.padding, s.dilation, threads);
+  }
+  auto columns = kernels::patches(x, s.kh, s.kw, s.stride, s.padding, s.dilation, threads);
+  columns = mx::reshape(columns, {-1, s.kh * s.kw * s.c}, on);
+  return mx::reshape(mx::matmul(mx::transpose(rows, on), columns, on), w.shape(), on);
+}
+
+// The gradients of mx::conv2d of the operands as the products used them (bfloat16 operands or products).
+std::vector<array> mlx_gradients(const ConvShape& s, const std::vector<array>& primals, const array& cotangent,
+                                 const std::vector<int>& argnums, mx::Stream on) {
+  const auto product = s.product == dt::bf16 ? mx::bfloat16 : mx::float32;
+  std::function<std::vector<array>(const std::vector<array>&)> forward = [s, product,
+                                                                          on](const std::vector<array>& in) {
+    auto x = mx::astype(in[0], product, on), w = mx::astype(in[1], product, on);
+    return std::vector<array>{mx::conv2d(x, w, std::make_pair(s.stride, s.stride),
+                                         std::make_pair(s.padding, s.padding),
+                                         std::make_pair(s.dilation, s.dilation), 1, on)};
+  };
+  std::vector<array> cotangents{mx::astype(cotangent, product, on)};
+  auto [outputs, all] = mx::vjp(forward, {primals[0], primals[1]}, cotangents);
+  std::vector<array> grads;
+  for (int arg : argnums) grads.push_back(mx::astype(all[arg], primals[arg].dtype(), on));
+  return grads;
+}
+
+// The gradients w.r.t. x (arg 0) and the weight (arg 1) of the convolution of shape `s` (`plan`: its plan),
+// given the cotangent of its result: oneDNN's backward passes, or the patches' where ConvPlan says why not, or
+// MLX's where neither runs (bfloat16).
+std::vector<array> conv_gradients(const ConvShape& s, const std::shared_ptr<ConvPlan>& plan,
+                                  const std::vector<array>& primals, const array& cotangent_given,
+                                  const std::vector<int>& argnums, int threads, mx::Stream on) {
+  plan->make_backward(s);
+  const bool float32 = s.x_type == dt::f32 && s.w_type == dt::f32 && s.product == dt::f32;
+  for (int arg : argnums) {  // a pass neither oneDNN nor the patches run (bfloat16): MLX's, all of them
+    if (!float32 && !(arg == 0 ? plan->data_refused : plan->weights_refused).empty()) {
+      return mlx_gradients(s, primals, cotangent_given, argnums, on);
+    }
+  }
+  const auto& x = primals[0];
+  const auto& w = primals[1];
+  auto cotangent = mx::contiguous(mx::astype(cotangent_given, x.dtype(), on), false, on);
+  std::vector<array> grads;
+  for (int arg : argnums) {
+    if (arg == 0 && plan->data_refused.empty()) {
+      grads.push_back(array(x.shape(), x.dtype(), std::make_shared<Conv>(on, s, plan, ConvPass::data, nullptr, threads),
+                            {cotangent, w}));
+    } else if (arg == 1 && plan->weights_refused.empty()) {
+      grads.push_back(array(w.shape(), w.dtype(),
+                            std::make_shared<Conv>(on, s, plan, ConvPass::weights, nullptr, threads), {x, cotangent}));
+    } else {
+      grads.push_back(patches_gradient(s, arg, x, w, cotangent, threads, on));
+    }
+  }
+  return grads;
+}
+
 ConvShape conv_shape(const array& x, const array& w, int stride, int padding, int dilation, bool bfloat16) {
   if (x.ndim() != 4 || w.ndim() != 4 || x.shape(3) != w.shape(3)) {
     throw std::invalid_argument("kernels._onednn conv2d: x (N, H, W, C) and weight (O, kh, kw, C)");
@@ -298,6 +308,134 @@ ConvShape conv_shape(const array& x, const array& w, int stride, int padding, in
   if (s.out_h() < 1 || s.out_w() < 1) throw std::invalid_argument("kernels._onednn conv2d: the kernel does not fit");
   return s;
 }
+
+
+// ---------------------------------------------------------------------------------------------------
+// A convolution and what follows it in a network, as OpenVINO and TensorRT run them: a bias (a frozen batch
+// norm folded into the weight and this bias, deformable_detr/models/convolution.py), a residual added and a
+// ReLU, as oneDNN post-ops of the convolution (its binary add reads the residual, its eltwise ReLU runs on the
+// accumulator before the result is stored), the result in `y_type` (bfloat16 where the next convolution takes
+// bfloat16: no float32 copy between them). One pass over memory where the unfused way made three more.
+
+struct Fusion {
+  bool bias = false, residual = false, relu = false;
+  dt bias_type = dt::f32, residual_type = dt::f32, y_type = dt::f32;
+  std::string key() const {
+    std::string key = "fused:";
+    for (int v : {int(bias), int(residual), int(relu), int(bias_type), int(residual_type), int(y_type)}) {
+      key += std::to_string(v) + ",";
+    }
+    return key;
+  }
+};
+
+std::shared_ptr<ConvPlan> fused_plan(const ConvShape& s, const Fusion& f) {
+  return conv_plans().get(f.key() + s.key(), [&s, &f] {
+    auto plan = std::make_shared<ConvPlan>();
+    try {
+      dnnl::primitive_attr attr;  // a new one: attributes() is shared, and a copy of a handle shares it
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      dnnl::post_ops ops;
+      if (f.residual) ops.append_binary(dnnl::algorithm::binary_add, s.y_plain(f.residual_type));
+      if (f.relu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+      attr.set_post_ops(ops);
+      const auto prop = dnnl::prop_kind::forward_training;
+      const auto direct = dnnl::algorithm::convolution_direct;
+      plan->forward_pd =
+          f.bias ? dnnl::convolution_forward::primitive_desc(
+                       engine(), prop, direct, s.x_plain(s.product), s.w_any(),
+                       dnnl::memory::desc({s.o}, f.bias_type, tag::a), s.y_plain(f.y_type), s.strides(), s.dilates(),
+                       s.pads(), s.pads(), attr)
+                 : dnnl::convolution_forward::primitive_desc(engine(), prop, direct, s.x_plain(s.product), s.w_any(),
+                                                             s.y_plain(f.y_type), s.strides(), s.dilates(), s.pads(),
+                                                             s.pads(), attr);
+      plan->refused = refusal(plan->forward_pd, "this convolution with its post-ops", true);
+      if (plan->refused.empty()) plan->forward = dnnl::convolution_forward(plan->forward_pd);
+      plan->lasting = plan->refused.empty() && std::string(plan->forward_pd.impl_info_str()).find("amx") != std::string::npos;
+    } catch (const std::exception& error) {
+      plan->refused = error.what();
+    }
+    return plan;
+  });
+}
+
+// inputs: x, weight[, bias][, residual]. Its VJP: the cotangent where the result is positive (ReLU), which is
+// the residual's gradient, summed over pixels the bias's, and the convolution's own (conv_gradients, of the
+// convolution without post-ops).
+class FusedConv : public mx::UnaryPrimitive {
+ public:
+  FusedConv(mx::Stream stream, ConvShape shape, Fusion fusion, std::shared_ptr<ConvPlan> plan,
+            std::shared_ptr<WeightCopies> kept, int threads)
+      : mx::UnaryPrimitive(stream), s_(shape), f_(fusion), plan_(std::move(plan)), kept_(std::move(kept)),
+        threads_(threads) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
+    const int residual_at = f_.bias ? 3 : 2;
+    encoder.dispatch([plan = plan_, s = s_, f = f_, threads = threads_, x = inputs[0].data<void>(),
+                      w = inputs[1].data<void>(), kept = kept_, source = kept_ ? inputs[1].data_shared_ptr() : nullptr,
+                      bias = f_.bias ? inputs[2].data<void>() : nullptr,
+                      residual = f_.residual ? inputs[residual_at].data<void>() : nullptr, result = out.data<void>()]() {
+      omp_set_num_threads(threads);
+      auto& pd = plan->forward_pd;
+      auto src = as_wanted(s.x_plain(s.x_type), x, pd.src_desc());
+      auto wei = weight_as_wanted(kept, source, w, s.w_plain(s.w_type), pd.weights_desc());
+      std::unordered_map<int, dnnl::memory> args{
+          {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei.memory}, {DNNL_ARG_DST, dnnl::memory(pd.dst_desc(), engine(), result)}};
+      if (f.bias) args.insert({DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), engine(), const_cast<void*>(bias))});
+      if (f.residual) {
+        args.insert({DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
+                     dnnl::memory(s.y_plain(f.residual_type), engine(), const_cast<void*>(residual))});
+      }
+      execute(plan->forward, pd.scratchpad_desc(), std::move(args));
+    });
+  }
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("kernels._onednn runs on the CPU only");
+  }
+
+  std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
+                         const std::vector<int>& argnums, const std::vector<array>& outputs) override {
+    const mx::Stream on = stream();
+    array g = mx::astype(cotangents[0], outputs[0].dtype(), on);
+    if (f_.relu) g = relu_gradient(g, outputs[0], threads_);
+    std::vector<int> convolution_args;
+    for (int arg : argnums) {
+      if (arg < 2) convolution_args.push_back(arg);
+    }
+    std::vector<array> convolution_grads;
+    if (!convolution_args.empty()) {
+      convolution_grads = conv_gradients(s_, conv_plan(s_), primals, g, convolution_args, threads_, on);
+    }
+    std::vector<array> grads;
+    size_t next = 0;
+    const int bias_at = f_.bias ? 2 : -1, residual_at = f_.residual ? (f_.bias ? 3 : 2) : -1;
+    for (int arg : argnums) {
+      if (arg < 2) {
+        grads.push_back(convolution_grads[next++]);
+      } else if (arg == bias_at) {
+        auto rows = mx::reshape(mx::astype(g, mx::float32, on), {-1, s_.o}, on);
+        grads.push_back(mx::astype(kernels_native::sum_over_rows(rows, on), primals[arg].dtype(), on));
+      } else if (arg == residual_at) {
+        grads.push_back(mx::astype(g, primals[arg].dtype(), on));
+      }
+    }
+    return grads;
+  }
+
+  const char* name() const override { return "KernelsOnednnFusedConv"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const FusedConv&>(other);
+    return s_.key() == o.s_.key() && f_.key() == o.f_.key() && kept_ == o.kept_ && threads_ == o.threads_;
+  }
+
+ private:
+  ConvShape s_;
+  Fusion f_;
+  std::shared_ptr<ConvPlan> plan_;
+  std::shared_ptr<WeightCopies> kept_;
+  int threads_;
+};
 
 }  // namespace
 
@@ -311,6 +449,32 @@ std::optional<array> conv2d(const array& x, const array& weight, int stride, int
                std::make_shared<Conv>(stream, s, std::move(plan), ConvPass::forward, kept ? kept->copies : nullptr,
                                       threads),
                {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+}
+
+std::optional<array> conv2d_fused(const array& x, const array& weight, const std::optional<array>& bias,
+                                  const std::optional<array>& residual, bool relu, const std::string& result, int stride,
+                                  int padding, int dilation, bool bfloat16, const KeptWeights* kept, int threads) {
+  const ConvShape s = conv_shape(x, weight, stride, padding, dilation, bfloat16);
+  Fusion f;
+  f.bias = bool(bias);
+  f.residual = bool(residual);
+  f.relu = relu;
+  f.bias_type = bias ? dnnl_type(bias->dtype()) : dt::f32;
+  f.residual_type = residual ? dnnl_type(residual->dtype()) : dt::f32;
+  f.y_type = result_type(result, s.x_type);
+  const mx::Shape y_shape{s.n, s.out_h(), s.out_w(), s.o};
+  if ((bias && (bias->ndim() != 1 || bias->shape(0) != s.o)) || (residual && residual->shape() != y_shape)) {
+    throw std::invalid_argument("kernels._onednn conv2d: a bias (O,) and a residual of the result's shape");
+  }
+  auto plan = fused_plan(s, f);
+  if (!plan->refused.empty()) return std::nullopt;
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<array> inputs{mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)};
+  if (bias) inputs.push_back(mx::contiguous(*bias, false, stream));
+  if (residual) inputs.push_back(mx::contiguous(*residual, false, stream));
+  return array(y_shape, f.y_type == dt::bf16 ? mx::bfloat16 : mx::float32,
+               std::make_shared<FusedConv>(stream, s, f, std::move(plan), kept ? kept->copies : nullptr, threads),
+               std::move(inputs));
 }
 
 // The implementations oneDNN chose for this convolution ("brgconv:avx512_core_bf16"; with `backward`,

@@ -49,10 +49,12 @@ struct ProductShape {
   bool transpose_a, transpose_b, bias;
   dt a_type, b_type, bias_type, product;
   bool weights_kept = false;  // b is a weight whose copies in oneDNN's layouts a Detector keeps (inference)
+  bool relu = false;  // max(., 0) as the product's post-op (an FFN's first layer)
+  dt out_type = a_type;  // the result's: a's, or bfloat16 handed to the next product (the FFN's second layer)
   std::string key() const {
     std::string key;
     for (int v : {m, k, n, int(transpose_a), int(transpose_b), int(bias), int(a_type), int(b_type), int(bias_type),
-                  int(product), int(weights_kept)}) {
+                  int(product), int(weights_kept), int(relu), int(out_type)}) {
       key += std::to_string(v) + ",";
     }
     return key;
@@ -69,7 +71,17 @@ struct ProductShape {
                        : dnnl::memory::desc({k, n}, type, dims{strides[0], strides[1]});
   }
   dnnl::memory::desc bias_desc() const { return {{1, n}, bias_type, dims{n, 1}}; }
-  dnnl::memory::desc out_desc() const { return {{m, n}, a_type, dims{n, 1}}; }
+  dnnl::memory::desc out_desc() const { return {{m, n}, out_type, dims{n, 1}}; }
+  // Every primitive's attributes (onednn.cpp's), with the ReLU as a post-op where asked.
+  dnnl::primitive_attr attr() const {
+    if (!relu) return attributes();
+    dnnl::primitive_attr with;  // a new one: a copy of attributes()' handle would share it
+    with.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::post_ops ops;
+    ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+    with.set_post_ops(ops);
+    return with;
+  }
 };
 
 // oneDNN 3.2's float32 products on AVX2 have its sgemm only (gemm:jit), which ran products whose reduction is
@@ -87,7 +99,7 @@ void plan_convolution(const ProductShape& s, ProductPlan& plan) {
   // quick start's model over 300 image sizes as AVX2 kept 59 copies against 46 and grew 37-39 MiB from the
   // tenth size against 26 (bench/shape_memory.py). In training the weight is reordered at each call (for
   // (256, 1024), 1 MB, about 0.2 ms).
-  if (keep_slower_passes() || !float32 || s.weights_kept || s.transpose_a ||
+  if (keep_slower_passes() || !float32 || s.weights_kept || s.relu || s.out_type != s.a_type || s.transpose_a ||
       s.k < CONVOLUTION_FROM_REDUCTION_OVER_WIDTH * s.n ||
       std::string(plan.pd.impl_info_str()).rfind("gemm:jit", 0) != 0) {
     return;
@@ -115,9 +127,9 @@ std::shared_ptr<ProductPlan> product_plan(const ProductShape& s) {
     auto plan = std::make_shared<ProductPlan>();
     try {
       plan->pd = s.bias ? dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), s.b_desc(s.product),
-                                                       s.bias_desc(), s.out_desc(), attributes())
+                                                       s.bias_desc(), s.out_desc(), s.attr())
                         : dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), s.b_desc(s.product),
-                                                       s.out_desc(), attributes());
+                                                       s.out_desc(), s.attr());
       plan->refused = refusal(plan->pd, "this matrix product");
       if (plan->refused.empty()) plan->product = dnnl::matmul(plan->pd);
       if (plan->refused.empty()) plan_convolution(s, *plan);
@@ -171,10 +183,12 @@ class Product : public mx::UnaryPrimitive {
   // out = A @ B with A = op(a), B = op(b): dA = g @ B^T, dB = A^T @ g, each as a product of the stored
   // arrays with the transposes that give it (dA^T = B @ g^T where a is stored transposed).
   std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
-                         const std::vector<int>& argnums, const std::vector<array>&) override {
+                         const std::vector<int>& argnums, const std::vector<array>& outputs) override {
     const auto& a = primals[0];
     const auto& b = primals[1];
-    auto g = mx::contiguous(mx::astype(cotangents[0], a.dtype(), stream()), false, stream());
+    // a fused ReLU's gradient first (in the result's dtype), then as the product's operands
+    const array given = s_.relu ? relu_gradient(cotangents[0], outputs[0], threads_) : cotangents[0];
+    auto g = mx::contiguous(mx::astype(given, a.dtype(), stream()), false, stream());
     const bool ta = s_.transpose_a, tb = s_.transpose_b, bf16 = s_.product == dt::bf16;
     std::vector<array> grads;
     for (int arg : argnums) {
@@ -206,7 +220,8 @@ class Product : public mx::UnaryPrimitive {
 };
 
 ProductShape product_shape(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
-                           bool transpose_b, bool bfloat16, bool weights_kept = false) {
+                           bool transpose_b, bool bfloat16, bool weights_kept = false, bool relu = false,
+                           const std::string& result = "") {
   if (a.ndim() != 2 || b.ndim() != 2) throw std::invalid_argument("kernels._onednn product: two matrices");
   const int m = transpose_a ? a.shape(1) : a.shape(0), k = transpose_a ? a.shape(0) : a.shape(1);
   const int kb = transpose_b ? b.shape(1) : b.shape(0), n = transpose_b ? b.shape(0) : b.shape(1);
@@ -215,8 +230,11 @@ ProductShape product_shape(const array& a, const array& b, const std::optional<a
   }
   const dt a_type = dnnl_type(a.dtype()), b_type = dnnl_type(b.dtype());
   const dt product_type = (bfloat16 || a_type == dt::bf16 || b_type == dt::bf16) ? dt::bf16 : dt::f32;
-  return {m, k, n, transpose_a, transpose_b, bool(bias), a_type, b_type, bias ? dnnl_type(bias->dtype()) : dt::f32,
-          product_type, weights_kept};
+  return {m,        k,     n,
+          transpose_a, transpose_b, bool(bias),
+          a_type,   b_type, bias ? dnnl_type(bias->dtype()) : dt::f32,
+          product_type, weights_kept, relu,
+          result_type(result, a_type)};
 }
 
 array product_array(const ProductShape& s, std::shared_ptr<ProductPlan> plan, const array& a, const array& b,
@@ -228,15 +246,17 @@ array product_array(const ProductShape& s, std::shared_ptr<ProductPlan> plan, co
   // by 1.5 GB in a minute). Its layout is read from its strides at the call (b_desc); the copy is dense.
   std::vector<array> inputs{mx::contiguous(a, false, stream), kept ? b : mx::contiguous(b, false, stream)};
   if (bias) inputs.push_back(mx::contiguous(*bias, false, stream));
-  return array({s.m, s.n}, a.dtype(), std::make_shared<Product>(stream, s, std::move(plan), std::move(kept), threads),
+  return array({s.m, s.n}, s.out_type == dt::bf16 ? mx::bfloat16 : mx::float32, std::make_shared<Product>(stream, s, std::move(plan), std::move(kept), threads),
                std::move(inputs));
 }
 
 }  // namespace
 
 std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
-                             bool transpose_b, bool bfloat16, const KeptWeights* kept, int threads) {
-  const ProductShape s = product_shape(a, b, bias, transpose_a, transpose_b, bfloat16, kept != nullptr);
+                             bool transpose_b, bool bfloat16, const KeptWeights* kept, int threads, bool relu,
+                             const std::string& result) {
+  const ProductShape s =
+      product_shape(a, b, bias, transpose_a, transpose_b, bfloat16, kept != nullptr, relu, result);
   auto plan = product_plan(s);
   if (!plan->refused.empty()) return std::nullopt;
   return product_array(s, std::move(plan), a, b, bias, kept ? kept->copies : nullptr, threads);

@@ -30,6 +30,8 @@ dnnl::engine& engine();
 // This thread's stream (MLX's stream thread runs the calls, the caller's thread a kept weight's reorder).
 dnnl::stream& stream_here();
 dt dnnl_type(mx::Dtype type);
+// A result's dtype as the Python side names it ("float32", "bfloat16"), or `otherwise` for "".
+dt result_type(const std::string& result, dt otherwise);
 // Every primitive's attributes: the scratchpad is the caller's, for one call (onednn.cpp's top).
 const dnnl::primitive_attr& attributes();
 
@@ -77,6 +79,10 @@ Weight weight_as_wanted(const std::shared_ptr<WeightCopies>& kept, const std::sh
 
 // Plans of each kind at most (set_capacity; read by threads that make plans while the GIL is let go).
 std::atomic<size_t>& plan_capacity_value();
+
+// The gradient of a ReLU that was fused into the product making `y` (its output): `g` where y > 0, else 0, in
+// y's dtype (float32 or bfloat16), one pass on `threads` cores (MLX's where and greater: two on one).
+mx::array relu_gradient(const mx::array& g, const mx::array& y, int threads);
 
 // A cache's plans kept now, and its lookups since the process began: found (hits) or made (misses).
 struct PlanCounts {
