@@ -1,6 +1,7 @@
 """`kernels.layer_norm` against `mx.fast.layer_norm`: the forward bit for bit (widths of the model
 and odd ones, large offsets, non-finite rows); the gradients against MLX's and against float64;
-threads; lazy and compiled; other dtypes."""
+bfloat16 x (`dtype=mx.bfloat16`) against the float32 norm of x widened, the result and dx rounded to
+bfloat16: bit for bit, forward and gradients; threads; lazy and compiled; other dtypes."""
 
 import sys
 
@@ -21,9 +22,17 @@ def inputs(rng, shape, offset=0.0):
 
 
 def assert_bits(got, want):
-    got, want = np.array(got), np.array(want)
-    assert got.shape == want.shape
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    got, want = (a if isinstance(a, mx.array) else mx.array(a) for a in (got, want))
+    assert got.shape == want.shape and got.dtype == want.dtype
+    unsigned = mx.uint16 if got.dtype == mx.bfloat16 else mx.uint32
+    np.testing.assert_array_equal(np.array(got.view(unsigned)), np.array(want.view(unsigned)))
+
+
+def widened_norm(x, weight, bias, eps=1e-5):
+    """A bfloat16 model's layer norm as MLX's ops compute it: x widened to float32, the float32 norm (the C++
+    operation, itself checked against MLX above), the result rounded to bfloat16; its gradients by MLX's autodiff
+    of the casts."""
+    return kernels.layer_norm(x.astype(mx.float32), weight, bias, eps).astype(mx.bfloat16)
 
 
 @pytest.mark.parametrize("shape", [(2, 203, 256), (3, 5, 512), (9, 7), (13, 1000), (1, 1)])
@@ -57,14 +66,53 @@ def test_layer_norm_gradients_match_mlx_and_float64(shape, rng):
         assert ours < 1e-5 and ours <= 4 * theirs + 1e-6, (ours, theirs)
 
 
-def test_layer_norm_threads_split_rows_not_results(rng, monkeypatch):
+@pytest.mark.parametrize("shape", [(2, 203, 256), (9, 7), (13, 1000), (1, 1)])
+@pytest.mark.parametrize("offset", [0.0, 1e3])
+def test_bfloat16_layer_norm_is_the_widened_float32_norm_bit_for_bit(shape, offset, rng):
+    x, weight, bias = inputs(rng, shape, offset)
+    x = x.astype(mx.bfloat16)
+    cotangent = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+    got, got_grads = mx.vjp(lambda *a: kernels.layer_norm(*a, 1e-5, dtype=mx.bfloat16), [x, weight, bias], [cotangent])
+    want, want_grads = mx.vjp(widened_norm, [x, weight, bias], [cotangent])
+    assert got[0].dtype == mx.bfloat16 and got_grads[0].dtype == mx.bfloat16
+    assert_bits(got[0], want[0])
+    assert_bits(got[0], mx.fast.layer_norm(x, weight, bias, 1e-5).astype(mx.bfloat16))  # MLX's own, promoted
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert_bits(g, w)
+
+
+def test_bfloat16_layer_norm_of_non_finite_rows_is_the_widened_norm():
+    x = mx.array(np.array([[np.nan, 1, 2], [np.inf, 1, 2], [-np.inf, 0, 0], [1e30, 0, -1e30], [5, 5, 5]], np.float32))
+    x = x.astype(mx.bfloat16)
+    weight, bias = mx.array([1.0, 2.0, 3.0]), mx.array([0.5, 0.0, -0.5])
+    assert_bits(kernels.layer_norm(x, weight, bias, 1e-5, dtype=mx.bfloat16), widened_norm(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_layer_norm_dtype_is_the_results(dtype, rng):
+    # without it MLX's promotion (float32 from bfloat16 x and float32 weights); with it that result cast
+    for x_dtype in (mx.float32, mx.bfloat16):
+        x, weight, bias = inputs(rng, (5, 16))
+        x = x.astype(x_dtype)
+        want = mx.fast.layer_norm(x, weight, bias, 1e-5)
+        assert_bits(kernels.layer_norm(x, weight, bias, 1e-5), want)
+        assert_bits(kernels.layer_norm(x, weight, bias, 1e-5, dtype=dtype), want.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_layer_norm_threads_split_rows_not_results(dtype, rng, monkeypatch):
     x, weight, bias = inputs(rng, (3, 1111, 64))
-    cotangent = mx.array(rng.standard_normal(x.shape).astype(np.float32))
+    x = x.astype(dtype)
+    cotangent = mx.array(rng.standard_normal(x.shape).astype(np.float32)).astype(dtype)
+
+    def norm(*arrays):
+        return kernels.layer_norm(*arrays, 1e-5, dtype=dtype)
+
     results = []
     for count in (1, 3):
         monkeypatch.setattr(sys.modules["kernels.layer_norm"], "threads", lambda count=count: count)
-        out, grads = mx.vjp(lambda *a: kernels.layer_norm(*a, 1e-5), [x, weight, bias], [cotangent])
-        results.append([np.array(a) for a in (*out, *grads)])
+        out, grads = mx.vjp(norm, [x, weight, bias], [cotangent])
+        results.append([*out, *grads])
     for one, three in zip(*results, strict=True):
         assert_bits(one, three)
 

@@ -1,4 +1,8 @@
-// layer_norm over the last axis as MLX Primitives, on every core.
+// layer_norm over the last axis as MLX Primitives, on every core. x float32 or bfloat16 (read into
+// float32: the numbers of MLX's layer norm of x widened to float32), weight and bias float32, the result
+// in x's dtype (bfloat16 rounded once, as MLX's astype after it); the backward reads x and the cotangent
+// in x's dtype, writes dx in it and dw, db in float32. Where a bfloat16 model widened its activations
+// to float32 around the norm (two more passes each way), it now reads and writes them as they are.
 //
 // Forward: MLX's CPU layer norm bit for bit. On the CPU `mx.fast.layer_norm` is its fallback, a
 // chain of MLX operations (mlx/fast.cpp): mean = sum * float(1.0 / n), the sums in order from zero;
@@ -18,6 +22,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "bfloat16.h"
 #include "dispatch.h"
 #include "ops.h"
 #include "parallel.h"
@@ -33,20 +38,29 @@ constexpr int64_t BLOCK_ROWS = 64;  // rows per partial sum of the weight and bi
 constexpr int64_t ELEMENTS_PER_THREAD = 16384;  // the least a thread is given (parallel.h)
 
 struct Rows {
-  const float* x;
+  const void* x;  // float32 or bfloat16: the functions' T
   int64_t rows;
   int n;
   float inverse_n, eps;
 };
 
+using kernels_native::from_float, kernels_native::to_float;
+
+// row `row` of p.x, of T
+template <typename T>
+static inline __attribute__((always_inline)) const T* row_of(const Rows& p, int64_t row) {
+  return static_cast<const T*>(p.x) + row * p.n;
+}
+
 // mean and 1 / sqrt(var + eps) of rows [row, row + count), count <= ROWS, as MLX rounds them.
+template <typename T>
 static inline __attribute__((always_inline)) void moments(const Rows& p, int64_t row, int count, float* mean,
                                                           float* rstd) {
   float sum[ROWS] = {}, squares[ROWS] = {};
-  const float* x = p.x + row * p.n;
+  const T* x = row_of<T>(p, row);
   for (int i = 0; i < p.n; ++i) {
     for (int r = 0; r < ROWS; ++r) {
-      sum[r] += r < count ? x[r * p.n + i] : 0.0f;
+      sum[r] += r < count ? to_float(x[r * p.n + i]) : 0.0f;
     }
   }
   for (int r = 0; r < ROWS; ++r) {
@@ -54,7 +68,7 @@ static inline __attribute__((always_inline)) void moments(const Rows& p, int64_t
   }
   for (int i = 0; i < p.n; ++i) {
     for (int r = 0; r < ROWS; ++r) {
-      const float centred = (r < count ? x[r * p.n + i] : 0.0f) - mean[r];
+      const float centred = (r < count ? to_float(x[r * p.n + i]) : 0.0f) - mean[r];
       squares[r] += centred * centred;
     }
   }
@@ -64,75 +78,82 @@ static inline __attribute__((always_inline)) void moments(const Rows& p, int64_t
 }
 
 // f(row, mean, rstd) for each row of [begin, end), the moments computed ROWS rows at a time.
-template <typename F>
+template <typename T, typename F>
 static inline __attribute__((always_inline)) void each_row(const Rows& p, int64_t begin, int64_t end, F f) {
   float mean[ROWS], rstd[ROWS];
   for (int64_t row = begin; row < end; row += ROWS) {
     const int count = int(std::min<int64_t>(ROWS, end - row));
-    moments(p, row, count, mean, rstd);
+    moments<T>(p, row, count, mean, rstd);
     for (int r = 0; r < count; ++r) {
       f(row + r, mean[r], rstd[r]);
     }
   }
 }
 
-void forward_rows(const Rows& p, const float* w, const float* b, float* out, int64_t begin, int64_t end) {
-  each_row(p, begin, end, [&](int64_t row, float mean, float rstd) {
-    const float* x = p.x + row * p.n;
-    float* y = out + row * p.n;
+template <typename T>
+void forward_rows(const Rows& p, const float* w, const float* b, void* out, int64_t begin, int64_t end) {
+  each_row<T>(p, begin, end, [&](int64_t row, float mean, float rstd) {
+    const T* x = row_of<T>(p, row);
+    T* y = static_cast<T*>(out) + row * p.n;
     for (int i = 0; i < p.n; ++i) {
-      y[i] = (x[i] - mean) * rstd * w[i] + b[i];
+      y[i] = from_float<T>((to_float(x[i]) - mean) * rstd * w[i] + b[i]);
     }
   });
 }
 
-// dx for rows [begin, end); the rows' g * xhat and g added to dw_part and db_part (n each).
-void backward_rows(const Rows& p, const float* w, const float* g, float* dx, float* dw_part, float* db_part,
+// dx for rows [begin, end); the rows' g * xhat and g added to dw_part and db_part (n each). x, g and dx of T.
+template <typename T>
+void backward_rows(const Rows& p, const float* w, const void* g, void* dx, float* dw_part, float* db_part,
                    int64_t begin, int64_t end) {
-  each_row(p, begin, end, [&](int64_t row, float mean, float rstd) {
-    const float* x = p.x + row * p.n;
-    const float* gr = g + row * p.n;
-    float* d = dx + row * p.n;
+  each_row<T>(p, begin, end, [&](int64_t row, float mean, float rstd) {
+    const T* x = row_of<T>(p, row);
+    const T* gr = static_cast<const T*>(g) + row * p.n;
+    T* d = static_cast<T*>(dx) + row * p.n;
     float sum_wg = 0.0f, sum_wg_xhat = 0.0f;
     for (int i = 0; i < p.n; ++i) {
-      const float xhat = (x[i] - mean) * rstd;
-      const float wg = w[i] * gr[i];
+      const float xhat = (to_float(x[i]) - mean) * rstd;
+      const float gi = to_float(gr[i]);
+      const float wg = w[i] * gi;
       sum_wg += wg;
       sum_wg_xhat += wg * xhat;
-      dw_part[i] += gr[i] * xhat;
-      db_part[i] += gr[i];
+      dw_part[i] += gi * xhat;
+      db_part[i] += gi;
     }
     const float mean_wg = sum_wg * p.inverse_n, mean_wg_xhat = sum_wg_xhat * p.inverse_n;
     for (int i = 0; i < p.n; ++i) {
-      const float xhat = (x[i] - mean) * rstd;
-      d[i] = rstd * (w[i] * gr[i] - mean_wg - xhat * mean_wg_xhat);
+      const float xhat = (to_float(x[i]) - mean) * rstd;
+      d[i] = from_float<T>(rstd * (w[i] * to_float(gr[i]) - mean_wg - xhat * mean_wg_xhat));
     }
   });
 }
 
 Rows rows_of(const array& x, float eps) {
   const int n = x.shape(-1);
-  return {x.data<float>(), n == 0 ? 0 : int64_t(x.size()) / n, n, float(1.0 / n), eps};
+  return {x.data<void>(), n == 0 ? 0 : int64_t(x.size()) / n, n, float(1.0 / n), eps};
 }
 
 class LayerNormBackward : public mx::Primitive {
  public:
   LayerNormBackward(mx::Stream stream, float eps, int threads) : mx::Primitive(stream), eps_(eps), threads_(threads) {}
 
-  // inputs: x, w, cotangent; outputs: dx, dw, db
+  // inputs: x, w, cotangent (x's dtype); outputs: dx (x's dtype), dw, db (float32)
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     auto& encoder = kernels_native::prepared_encoder(stream(), inputs, outputs);
     encoder.dispatch([inputs, outputs, eps = eps_, threads = threads_]() mutable {
       const auto p = rows_of(inputs[0], eps);
-      const float *w = inputs[1].data<float>(), *g = inputs[2].data<float>();
-      float *dx = outputs[0].data<float>(), *dw = outputs[1].data<float>(), *db = outputs[2].data<float>();
+      const float* w = inputs[1].data<float>();
+      const void* g = inputs[2].data<void>();
+      void* dx = outputs[0].data<void>();
+      float *dw = outputs[1].data<float>(), *db = outputs[2].data<float>();
+      const auto rows = inputs[0].dtype() == mx::bfloat16 ? backward_rows<kernels_native::bfloat16>
+                                                          : backward_rows<float>;
       const int64_t blocks = (p.rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
       std::vector<float> parts(size_t(blocks) * 2 * p.n, 0.0f);  // per block: dw, then db
       const int used = kernels_native::threads_for(p.rows * p.n, threads, ELEMENTS_PER_THREAD);
       kernels_native::parallel_rows(blocks, used, [&](int, int64_t first, int64_t last) {
         for (int64_t block = first; block < last; ++block) {
           float* part = parts.data() + block * 2 * p.n;
-          backward_rows(p, w, g, dx, part, part + p.n, block * BLOCK_ROWS, std::min(p.rows, (block + 1) * BLOCK_ROWS));
+          rows(p, w, g, dx, part, part + p.n, block * BLOCK_ROWS, std::min(p.rows, (block + 1) * BLOCK_ROWS));
         }
       });
       std::fill(dw, dw + p.n, 0.0f);
@@ -167,12 +188,14 @@ class LayerNorm : public mx::UnaryPrimitive {
   // inputs: x, w, b
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
-    encoder.dispatch([inputs, out_ptr = out.data<float>(), eps = eps_, threads = threads_]() {
+    encoder.dispatch([inputs, out_ptr = out.data<void>(), eps = eps_, threads = threads_]() {
       const auto p = rows_of(inputs[0], eps);
       const float *w = inputs[1].data<float>(), *b = inputs[2].data<float>();
+      const auto rows =
+          inputs[0].dtype() == mx::bfloat16 ? forward_rows<kernels_native::bfloat16> : forward_rows<float>;
       const int used = kernels_native::threads_for(p.rows * p.n, threads, ELEMENTS_PER_THREAD);
       kernels_native::parallel_rows(p.rows, used, [&](int, int64_t begin, int64_t end) {
-        forward_rows(p, w, b, out_ptr, begin, end);
+        rows(p, w, b, out_ptr, begin, end);
       });
     });
   }
@@ -182,10 +205,12 @@ class LayerNorm : public mx::UnaryPrimitive {
 
   std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
                          const std::vector<int>& argnums, const std::vector<array>&) override {
+    const auto dtype = primals[0].dtype();
+    const auto g = mx::contiguous(mx::astype(cotangents[0], dtype, stream()), false, stream());
     auto grads = array::make_arrays({primals[0].shape(), primals[1].shape(), primals[2].shape()},
-                                    {mx::float32, mx::float32, mx::float32},
+                                    {dtype, mx::float32, mx::float32},
                                     std::make_shared<LayerNormBackward>(stream(), eps_, threads_),
-                                    {primals[0], primals[1], mx::contiguous(cotangents[0], false, stream())});
+                                    {primals[0], primals[1], g});
     return kernels_native::chosen(grads, argnums);
   }
 
@@ -205,17 +230,16 @@ class LayerNorm : public mx::UnaryPrimitive {
 
 array layer_norm(const array& x, const array& weight, const array& bias, float eps, int threads) {
   const int n = x.ndim() == 0 ? 0 : x.shape(-1);
-  for (const auto* a : {&x, &weight, &bias}) {
-    if (a->dtype() != mx::float32) {
-      throw std::invalid_argument("layer_norm: float32 only (kernels.layer_norm hands other dtypes to MLX)");
-    }
+  if (!kernels_native::float32_or_bfloat16(x.dtype()) || weight.dtype() != mx::float32 || bias.dtype() != mx::float32) {
+    throw std::invalid_argument(
+        "layer_norm: x float32 or bfloat16, weight and bias float32 (kernels.layer_norm hands other dtypes to MLX)");
   }
   if (x.ndim() == 0 || weight.ndim() != 1 || bias.ndim() != 1 || weight.shape(0) != n || bias.shape(0) != n) {
     throw std::invalid_argument("layer_norm: weight and bias must be (n,) for an input (..., n)");
   }
   const auto stream = mx::default_stream(mx::Device::cpu);
   auto prepared = [&](const array& a) { return mx::contiguous(a, false, stream); };
-  return array(x.shape(), mx::float32, std::make_shared<LayerNorm>(stream, eps, threads),
+  return array(x.shape(), x.dtype(), std::make_shared<LayerNorm>(stream, eps, threads),
                {prepared(x), prepared(weight), prepared(bias)});
 }
 
