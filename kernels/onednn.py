@@ -197,20 +197,30 @@ def conv2d(
     )
 
 
-def linear(x: mx.array, weight: mx.array, bias=None, relu: bool = False, keep_bfloat16: bool = False, dtype=None):
+def linear(
+    x: mx.array,
+    weight: mx.array,
+    bias=None,
+    relu: bool = False,
+    keep_bfloat16: bool = False,
+    dtype=None,
+    residual=None,
+):
     """x @ weight.T + bias (x (..., in), weight (out, in), bias (out,) or None) on oneDNN, differentiable
     w.r.t. all three, in x's dtype; or None where oneDNN is not used (see the module) or has no fast
-    kernel for it (remembered per shape). `relu`: max(., 0) as the product's post-op, in the same pass;
+    kernel for it (remembered per shape). `residual` (the result's shape): added as the product's post-op (a
+    layer's residual addition, no pass of its own; its gradient the cotangent), then `relu`: max(., 0) likewise;
     the result's dtype: `dtype`, or bfloat16 with `keep_bfloat16` where the product runs in bfloat16 (for
     the next product to take as it is), else x's, as conv2d's."""
-    operands = (x, weight) if bias is None else (x, weight, bias)
+    operands = [a for a in (x, weight, bias, residual) if a is not None]
     extension = _usable(*operands)
     if extension is None or x.ndim == 0 or (bias is not None and bias.ndim != 1):
         return None
     bfloat16, kept = _in_bfloat16("linear", x.shape, weight.shape)
     x, result = _operand_and_result(x, weight, bfloat16, keep_bfloat16, dtype)
     flat = x.reshape(-1, x.shape[-1])
-    y = extension.product(flat, weight, bias, False, True, bfloat16, kept, threads(), relu, result)
+    rows = None if residual is None else residual.reshape(flat.shape[0], weight.shape[0])
+    y = extension.product(flat, weight, bias, False, True, bfloat16, kept, threads(), relu, result, rows)
     return None if y is None else y.reshape(*x.shape[:-1], weight.shape[0])
 
 

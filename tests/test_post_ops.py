@@ -105,23 +105,29 @@ def test_the_result_stays_bfloat16_between_bfloat16_products_or_takes_the_dtype_
 
 
 @pytest.mark.parametrize("products", PRODUCTS)
-def test_linears_relu_post_op_and_its_gradient_equal_mlx(products, rng):
+@pytest.mark.parametrize("relu,residual", [(True, False), (False, True), (True, True)])
+def test_linears_post_ops_and_their_gradients_equal_mlx(products, relu, residual, rng):
     x = mx.array(rng.standard_normal((3, 37, 24)).astype(np.float32))
     w = mx.array(rng.standard_normal((40, 24)).astype(np.float32) / 24**0.5)
     b = mx.array(rng.standard_normal(40).astype(np.float32))
+    r = mx.array(rng.standard_normal((3, 37, 40)).astype(np.float32))
     cotangent = mx.array(rng.standard_normal((3, 37, 40)).astype(np.float32))
     bf16 = products == "bfloat16"
     as_used = rounded if bf16 else (lambda a: a)
 
-    def ours(x, w, b):
+    def ours(x, w, b, r):
         with onednn.products_in(mx.bfloat16 if bf16 else mx.float32):
-            return (onednn.linear(x, w, b, relu=True) * cotangent).sum()
+            y = onednn.linear(x, w, b, relu=relu, residual=r if residual else None)
+        assert y.dtype == mx.float32
+        return (y * cotangent).sum()
 
-    def theirs(x, w, b):
-        return (mx.maximum(as_used(x) @ as_used(w).T + b, 0) * cotangent).sum()
+    def theirs(x, w, b, r):
+        y = as_used(x) @ as_used(w).T + b + (r if residual else 0)
+        return ((mx.maximum(y, 0) if relu else y) * cotangent).sum()
 
-    assert_close(ours(x, w, b), theirs(x, w, b), 1e-5)
-    for g, expected in zip(mx.grad(ours, (0, 1, 2))(x, w, b), mx.grad(theirs, (0, 1, 2))(x, w, b), strict=True):
+    assert_close(ours(x, w, b, r), theirs(x, w, b, r), 1e-5)
+    got, want = mx.grad(ours, (0, 1, 2, 3))(x, w, b, r), mx.grad(theirs, (0, 1, 2, 3))(x, w, b, r)
+    for g, expected in zip(got[: 3 + residual], want[: 3 + residual], strict=True):
         assert_close(g, expected, 1e-5 if not bf16 else 2**-7)
 
 
@@ -194,7 +200,7 @@ def test_the_resnet_hands_on_its_maps_in_the_images_dtype_as_the_unfolded_one_co
         assert_close(got, want, 1e-5 if products == "float32" else 0.05)
 
 
-def test_the_ffn_with_its_relu_in_linear1_equals_the_unfused_one(rng):
+def test_the_ffn_with_its_relu_and_addition_as_post_ops_equals_the_unfused_one(rng):
     layer = nn.Module()
     with_feed_forward(layer, 32, 64, 0.0, "norm")
     layer.eval()

@@ -63,6 +63,15 @@ def with_feed_forward(layer, d_model: int, d_ffn: int, dropout: float, norm: str
     layer.dropout = Dropout(dropout)
 
 
+def plus_sublayer(layer, x, sublayer):
+    """x + dropout(sublayer's output) for a layer's residual connection: `sublayer(residual)` computes the output
+    (+ `residual` where given: the addition as its last product's post-op, oneDNN's, no pass of its own). Where
+    the layer's dropout is active (training, p > 0) it sits between, and the addition is MLX's."""
+    if layer.dropout.active:
+        return x + layer.dropout(sublayer(None))
+    return sublayer(x)
+
+
 def feed_forward(layer, x, norm):
     """An encoder or decoder layer's last sublayer (the authors' forward_ffn): `layer`'s linear1, ReLU, dropout,
     linear2, dropout, the residual, then `norm`."""
@@ -72,8 +81,7 @@ def feed_forward(layer, x, norm):
     hidden = None if layer.dropout.active else layer.linear1.with_relu(x)
     if hidden is None:
         hidden = layer.dropout(layer.linear1(x), after_relu=True)
-    ffn = layer.linear2(hidden, dtype=x.dtype)
-    return norm(x + layer.dropout(ffn))
+    return norm(plus_sublayer(layer, x, lambda residual: layer.linear2(hidden, dtype=x.dtype, residual=residual)))
 
 
 class LayerStack(nn.Module):
@@ -96,8 +104,10 @@ class DeformableTransformerEncoderLayer(nn.Module):
         with_feed_forward(self, d_model, d_ffn, dropout, "norm2")
 
     def __call__(self, src, pos, reference_points, spatial_shapes, padding_mask):
-        attended = self.self_attn(src + pos, reference_points, src, spatial_shapes, None, padding_mask)
-        src = self.norm1(src + self.dropout(attended))
+        def attention(residual):
+            return self.self_attn(src + pos, reference_points, src, spatial_shapes, None, padding_mask, residual)
+
+        src = self.norm1(plus_sublayer(self, src, attention))
         return feed_forward(self, src, self.norm2)
 
 

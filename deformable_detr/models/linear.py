@@ -8,14 +8,16 @@ import mlx.nn as nn
 
 
 class Linear(nn.Linear):
-    def __call__(self, x, dtype=None):
-        """The product, in `dtype` where given (a bfloat16 x from `with_relu` gives its float32 back) and oneDNN
-        computes it, else in x's."""
-        if dtype is not None:
-            y = kernels.onednn.linear(x, self.weight, self.get("bias"), dtype=dtype)
+    def __call__(self, x, dtype=None, residual=None):
+        """The product (+ `residual`: a layer's residual addition, oneDNN's post-op where it computes the product),
+        in `dtype` where given (a bfloat16 x from `with_relu` gives its float32 back) and oneDNN computes it, else
+        in x's."""
+        if dtype is not None or residual is not None:
+            y = kernels.onednn.linear(x, self.weight, self.get("bias"), dtype=dtype, residual=residual)
             if y is not None:
                 return y
-        return kernels.linear(x, self.weight, self.get("bias"))
+        y = kernels.linear(x, self.weight, self.get("bias"))
+        return y if residual is None else y + residual
 
     def with_relu(self, x):
         """relu(self(x)) with the ReLU as the oneDNN product's post-op (one pass less over the result), the

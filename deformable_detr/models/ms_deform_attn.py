@@ -51,11 +51,19 @@ class MSDeformAttn(nn.Module):
             linear.bias = mx.zeros_like(linear.bias)
 
     def __call__(
-        self, query, reference_points, input_flatten, spatial_shapes, level_start_index=None, padding_mask=None
+        self,
+        query,
+        reference_points,
+        input_flatten,
+        spatial_shapes,
+        level_start_index=None,
+        padding_mask=None,
+        residual=None,
     ):
         """query (B, Q, d), reference_points (B, Q, n_levels, 2) as (x, y) or (B, Q, n_levels, 4) as
         (cx, cy, w, h), all in [0, 1]; input_flatten (B, L, d) with L = sum(H * W) over
-        spatial_shapes ((H, W) per level); padding_mask (B, L) True on padding. -> (B, Q, d)."""
+        spatial_shapes ((H, W) per level); padding_mask (B, L) True on padding. -> (B, Q, d), + `residual`
+        (B, Q, d) where given: the layer's residual addition as output_proj's post-op."""
         b, q, _ = query.shape
         length = input_flatten.shape[1]
         heads, levels, points = self.n_heads, self.n_levels, self.n_points
@@ -89,4 +97,4 @@ class MSDeformAttn(nn.Module):
         if self.recorder is not None:
             self.recorder(locations, weights, reference_points, spatial_shapes, padding_mask)
         out = kernels.ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights)  # in float32
-        return self.output_proj(to(out, value.dtype))
+        return self.output_proj(to(out, value.dtype), residual=residual)

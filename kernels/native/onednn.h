@@ -40,10 +40,11 @@ std::optional<array> conv2d(const array& x, const array& weight, int stride, int
 std::optional<array> conv2d_fused(const array& x, const array& weight, const std::optional<array>& bias,
                                   const std::optional<array>& residual, bool relu, const std::string& result, int stride,
                                   int padding, int dilation, bool bfloat16, const KeptWeights* kept, int threads);
-// `relu`: max(., 0) as the product's post-op; `result`: the result's dtype, "float32" or "bfloat16" ("": a's).
+// `residual` (m, n): added as the product's post-op, then `relu`: max(., 0) as the next; `result`: the result's
+// dtype, "float32" or "bfloat16" ("": a's).
 std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
                              bool transpose_b, bool bfloat16, const KeptWeights* kept, int threads, bool relu = false,
-                             const std::string& result = "");
+                             const std::string& result = "", const std::optional<array>& residual = std::nullopt);
 std::string describe();
 std::string conv2d_implementation(const array& x, const array& weight, int stride, int padding, int dilation,
                                   bool bfloat16, bool backward);

@@ -51,10 +51,12 @@ struct ProductShape {
   bool weights_kept = false;  // b is a weight whose copies in oneDNN's layouts a Detector keeps (inference)
   bool relu = false;  // max(., 0) as the product's post-op (an FFN's first layer)
   dt out_type = a_type;  // the result's: a's, or bfloat16 handed to the next product (the FFN's second layer)
+  bool residual = false;  // an (m, n) added as the product's post-op (before the ReLU): a layer's residual
+  dt residual_type = dt::f32;
   std::string key() const {
     std::string key;
     for (int v : {m, k, n, int(transpose_a), int(transpose_b), int(bias), int(a_type), int(b_type), int(bias_type),
-                  int(product), int(weights_kept), int(relu), int(out_type)}) {
+                  int(product), int(weights_kept), int(relu), int(out_type), int(residual), int(residual_type)}) {
       key += std::to_string(v) + ",";
     }
     return key;
@@ -72,13 +74,15 @@ struct ProductShape {
   }
   dnnl::memory::desc bias_desc() const { return {{1, n}, bias_type, dims{n, 1}}; }
   dnnl::memory::desc out_desc() const { return {{m, n}, out_type, dims{n, 1}}; }
-  // Every primitive's attributes (onednn.cpp's), with the ReLU as a post-op where asked.
+  dnnl::memory::desc residual_desc() const { return {{m, n}, residual_type, dims{n, 1}}; }
+  // Every primitive's attributes (onednn.cpp's), with the residual's addition and the ReLU as post-ops where asked.
   dnnl::primitive_attr attr() const {
-    if (!relu) return attributes();
+    if (!relu && !residual) return attributes();
     dnnl::primitive_attr with;  // a new one: a copy of attributes()' handle would share it
     with.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     dnnl::post_ops ops;
-    ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+    if (residual) ops.append_binary(dnnl::algorithm::binary_add, residual_desc());
+    if (relu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
     with.set_post_ops(ops);
     return with;
   }
@@ -99,7 +103,7 @@ void plan_convolution(const ProductShape& s, ProductPlan& plan) {
   // quick start's model over 300 image sizes as AVX2 kept 59 copies against 46 and grew 37-39 MiB from the
   // tenth size against 26 (bench/shape_memory.py). In training the weight is reordered at each call (for
   // (256, 1024), 1 MB, about 0.2 ms).
-  if (keep_slower_passes() || !float32 || s.weights_kept || s.relu || s.out_type != s.a_type || s.transpose_a ||
+  if (keep_slower_passes() || !float32 || s.weights_kept || s.relu || s.residual || s.out_type != s.a_type || s.transpose_a ||
       s.k < CONVOLUTION_FROM_REDUCTION_OVER_WIDTH * s.n ||
       std::string(plan.pd.impl_info_str()).rfind("gemm:jit", 0) != 0) {
     return;
@@ -152,6 +156,7 @@ class Product : public mx::UnaryPrimitive {
                       kept = kept_, source = kept_ ? inputs[1].data_shared_ptr() : nullptr,
                       b_strides = inputs[1].strides(),
                       bias = s_.bias ? inputs[2].data<void>() : nullptr,
+                      residual = s_.residual ? inputs[s_.bias ? 3 : 2].data<void>() : nullptr,
                       result = out.data<void>()]() {
       omp_set_num_threads(threads);
       if (plan->convolution_pd) {
@@ -173,6 +178,10 @@ class Product : public mx::UnaryPrimitive {
       std::unordered_map<int, dnnl::memory> args{
           {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei.memory}, {DNNL_ARG_DST, dst}};
       if (s.bias) args.insert({DNNL_ARG_BIAS, dnnl::memory(s.bias_desc(), engine(), const_cast<void*>(bias))});
+      if (s.residual) {
+        args.insert({DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
+                     dnnl::memory(s.residual_desc(), engine(), const_cast<void*>(residual))});
+      }
       execute(plan->product, plan->pd.scratchpad_desc(), std::move(args));
     });
   }
@@ -199,8 +208,10 @@ class Product : public mx::UnaryPrimitive {
         auto grad = tb ? gradient_product(g, a, true, ta, bf16, threads_)
                        : gradient_product(a, g, !ta, false, bf16, threads_);
         grads.push_back(mx::astype(grad, b.dtype(), stream()));
-      } else {
+      } else if (arg == 2 && s_.bias) {
         grads.push_back(mx::astype(kernels_native::sum_over_rows(g, stream()), primals[2].dtype(), stream()));
+      } else {  // the residual's: the (masked) cotangent itself
+        grads.push_back(mx::astype(given, primals[arg].dtype(), stream()));
       }
     }
     return grads;
@@ -221,11 +232,12 @@ class Product : public mx::UnaryPrimitive {
 
 ProductShape product_shape(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
                            bool transpose_b, bool bfloat16, bool weights_kept = false, bool relu = false,
-                           const std::string& result = "") {
+                           const std::string& result = "", const std::optional<array>& residual = std::nullopt) {
   if (a.ndim() != 2 || b.ndim() != 2) throw std::invalid_argument("kernels._onednn product: two matrices");
   const int m = transpose_a ? a.shape(1) : a.shape(0), k = transpose_a ? a.shape(0) : a.shape(1);
   const int kb = transpose_b ? b.shape(1) : b.shape(0), n = transpose_b ? b.shape(0) : b.shape(1);
-  if (k != kb || (bias && (bias->ndim() != 1 || bias->shape(0) != n))) {
+  if (k != kb || (bias && (bias->ndim() != 1 || bias->shape(0) != n)) ||
+      (residual && (residual->ndim() != 2 || residual->shape(0) != m || residual->shape(1) != n))) {
     throw std::invalid_argument("kernels._onednn product: the shapes do not multiply");
   }
   const dt a_type = dnnl_type(a.dtype()), b_type = dnnl_type(b.dtype());
@@ -234,11 +246,14 @@ ProductShape product_shape(const array& a, const array& b, const std::optional<a
           transpose_a, transpose_b, bool(bias),
           a_type,   b_type, bias ? dnnl_type(bias->dtype()) : dt::f32,
           product_type, weights_kept, relu,
-          result_type(result, a_type)};
+          result_type(result, a_type),
+          bool(residual),
+          residual ? dnnl_type(residual->dtype()) : dt::f32};
 }
 
 array product_array(const ProductShape& s, std::shared_ptr<ProductPlan> plan, const array& a, const array& b,
-                    const std::optional<array>& bias, std::shared_ptr<WeightCopies> kept, int threads) {
+                    const std::optional<array>& bias, std::shared_ptr<WeightCopies> kept, int threads,
+                    const std::optional<array>& residual = std::nullopt) {
   const auto stream = mx::default_stream(mx::Device::cpu);
   // A kept weight as it lies, not through mx::contiguous: that copies a slice of a larger buffer (a slice of
   // MultiheadAttention's in_proj_weight) at every call, and a fresh buffer is a weight the store has not seen:
@@ -246,6 +261,7 @@ array product_array(const ProductShape& s, std::shared_ptr<ProductPlan> plan, co
   // by 1.5 GB in a minute). Its layout is read from its strides at the call (b_desc); the copy is dense.
   std::vector<array> inputs{mx::contiguous(a, false, stream), kept ? b : mx::contiguous(b, false, stream)};
   if (bias) inputs.push_back(mx::contiguous(*bias, false, stream));
+  if (residual) inputs.push_back(mx::contiguous(*residual, false, stream));
   return array({s.m, s.n}, s.out_type == dt::bf16 ? mx::bfloat16 : mx::float32, std::make_shared<Product>(stream, s, std::move(plan), std::move(kept), threads),
                std::move(inputs));
 }
@@ -254,12 +270,12 @@ array product_array(const ProductShape& s, std::shared_ptr<ProductPlan> plan, co
 
 std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
                              bool transpose_b, bool bfloat16, const KeptWeights* kept, int threads, bool relu,
-                             const std::string& result) {
+                             const std::string& result, const std::optional<array>& residual) {
   const ProductShape s =
-      product_shape(a, b, bias, transpose_a, transpose_b, bfloat16, kept != nullptr, relu, result);
+      product_shape(a, b, bias, transpose_a, transpose_b, bfloat16, kept != nullptr, relu, result, residual);
   auto plan = product_plan(s);
   if (!plan->refused.empty()) return std::nullopt;
-  return product_array(s, std::move(plan), a, b, bias, kept ? kept->copies : nullptr, threads);
+  return product_array(s, std::move(plan), a, b, bias, kept ? kept->copies : nullptr, threads, residual);
 }
 
 array gradient_product(const array& a, const array& b, bool transpose_a, bool transpose_b, bool bfloat16, int threads) {
