@@ -445,7 +445,9 @@ def main_table(ours: list, openvino: dict) -> list:
     columns = []
     for precision, ov_precision in (("float32", "f32"), ("bfloat16", "default")):
         for run in ours:
-            label = f"ours {precision} ({run['commit']})" if len(ours) > 1 else f"ours {precision}"
+            label = f"ours {precision}"
+            if len(ours) > 1:  # which checkout: its directory's name and commit
+                label += f" ({Path(run['root']).resolve().name} {run['commit']})"
             columns.append((label, run["precisions"].get(precision), "ours"))
         ov = openvino.get(ov_precision)
         columns.append((f"OpenVINO {ov['precision'] if ov else ov_precision}", ov, "openvino"))
