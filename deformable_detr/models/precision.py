@@ -3,17 +3,30 @@ the backbone's `FrozenBatchNorm2d`); mixed-precision training; and the precision
 
 Training (`train.precision: bfloat16`): the weights stay float32 (so do AdamW's moments); in the forward,
 every weight but the normalisations' is used as a bfloat16 copy (`computing_in`), so convolutions, linears
-and the attention's values compute in bfloat16, while the normalisations, the softmaxes, the sampling
-locations and the attention core's accumulation compute in float32; the outputs go to the losses and the
-matching in float32. The gradients reach the float32 weights through the copies. In float32 every cast here
+and the attention's values compute in bfloat16; what is bfloat16 between the products and what stays float32
+is as at inference (below: the backbone's activations and the FFNs' hidden layers bfloat16, the rest float32);
+the outputs go to the losses and the matching in float32. The gradients reach the float32 weights through the copies. In float32 every cast here
 is skipped: the model is exactly the one without it. Evaluation during training runs in float32.
 
 Inference (`--precision auto | float32 | bfloat16`, `Detector.load(precision=)`; eval.py float32 unless
 asked): `resolve_precision` decides, once, what runs and why. bfloat16 is oneDNN's, on the CPU only: the
 forward runs inside `kernels.onednn.products_in(mx.bfloat16)`, the convolutions' and linears' products in
-bfloat16 with float32 operands and results (but the class and box heads', `float32_heads`), while
-everything between them (the normalisations, softmaxes, the attention core and its sampling locations,
-the boxes and the postprocess) stays float32. On a GPU every precision runs float32 (MLX's bfloat16 there
+bfloat16 (but the class and box heads', `float32_heads`).
+
+What is bfloat16 between the products, and what stays float32, and why (here, once; training's weights above):
+- bfloat16: the ResNet's activations from one convolution to the next (its frozen batch norms folded into the
+  convolutions, its residuals and ReLUs their post-ops: nothing float32 sits between them,
+  convolution.Conv2d.with_batch_norm; its maps leave in the images' dtype), and an FFN's hidden layer (linear1's
+  ReLU its post-op, linear2 taking it as it is: deformable_transformer.feed_forward).
+- float32: the residual stream between the transformer's sublayers, which every LayerNorm reads and every
+  residual addition accumulates into (bfloat16 would round each layer's sum to 8 bits); the LayerNorms and the
+  input projections' GroupNorms (their statistics); the softmaxes (weights summing to 1); the sampling offsets
+  and locations (bfloat16 would round them to 1/256 of a level's side) and the attention core, which samples and
+  sums in float32; the decoder's self-attention products (MLX's, whose bfloat16 products are slow on a CPU); the
+  position encodings (sines of large arguments); the class and box heads and the boxes (the scores and boxes a
+  user reads). A product reading the float32 stream converts it on its way in (oneDNN's reorder, every core).
+
+On a GPU every precision runs float32 (MLX's bfloat16 there
 is not reached by products_in). `auto` runs bfloat16 only for the products where it pays on this CPU
 (kernels.precision.bfloat16_rule, measured once a process: a product must be large enough, and where
 bfloat16 kernels are slower than float32 ones, none is): small images and small models stay float32. The
