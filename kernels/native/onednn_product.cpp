@@ -130,10 +130,12 @@ std::shared_ptr<ProductPlan> product_plan(const ProductShape& s) {
   return product_plans().get(s.key(), [&s] {
     auto plan = std::make_shared<ProductPlan>();
     try {
-      plan->pd = s.bias ? dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), s.b_desc(s.product),
-                                                       s.bias_desc(), s.out_desc(), s.attr())
-                        : dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), s.b_desc(s.product),
-                                                       s.out_desc(), s.attr());
+      // A kept weight in the layout oneDNN's kernel wants (packed for AMX's tiles), made once: given as it lies,
+      // the kernel packs its blocks again at every call.
+      const auto b = s.weights_kept ? dnnl::memory::desc({s.k, s.n}, s.product, tag::any) : s.b_desc(s.product);
+      plan->pd = s.bias ? dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), b, s.bias_desc(), s.out_desc(),
+                                                       s.attr())
+                        : dnnl::matmul::primitive_desc(engine(), s.a_desc(s.product), b, s.out_desc(), s.attr());
       plan->refused = refusal(plan->pd, "this matrix product");
       if (plan->refused.empty()) plan->product = dnnl::matmul(plan->pd);
       if (plan->refused.empty()) plan_convolution(s, *plan);
