@@ -66,10 +66,23 @@ class LayerNorm(nn.LayerNorm):
 
 
 class GroupNorm(nn.GroupNorm):
-    """In float32 (or float64) whatever the input's dtype; the result in the input's."""
+    """In float32 (or float64) whatever the input's dtype; the result in the input's. PyTorch's grouping
+    (`pytorch_compatible`: each group's channels contiguous) as MLX computes it, the groups' layer norm on
+    `kernels.layer_norm` (on every core, where MLX's CPU layer norm is a chain of one-thread passes, and
+    its backward the closed form): the same forward."""
 
     def __call__(self, x):
-        return to(super().__call__(widened(x)), x.dtype)
+        if not self.pytorch_compatible:
+            return to(super().__call__(widened(x)), x.dtype)
+        batch, *_, channels = x.shape
+        size = channels // self.num_groups
+        # (B, ..., C) -> (B, groups, positions * size): each row one image's group
+        groups = x.reshape(batch, -1, self.num_groups, size).transpose(0, 2, 1, 3).reshape(batch, self.num_groups, -1)
+        length = groups.shape[-1]
+        # float32 from bfloat16 (MLX's promotion by the float32 weight), float64 stays
+        normed = kernels.layer_norm(groups, mx.ones((length,)), mx.zeros((length,)), self.eps)
+        normed = normed.reshape(batch, self.num_groups, -1, size).transpose(0, 2, 1, 3).reshape(x.shape)
+        return to(self.weight * normed + self.bias if "weight" in self else normed, x.dtype)
 
 
 class FrozenBatchNorm2d(nn.Module):
