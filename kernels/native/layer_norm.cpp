@@ -17,6 +17,7 @@
 #include <cmath>
 #include <memory>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -46,21 +47,14 @@ struct Rows {
 
 using kernels_native::from_float, kernels_native::to_float;
 
-// row `row` of p.x, of T
-template <typename T>
-static inline __attribute__((always_inline)) const T* row_of(const Rows& p, int64_t row) {
-  return static_cast<const T*>(p.x) + row * p.n;
-}
-
-// mean and 1 / sqrt(var + eps) of rows [row, row + count), count <= ROWS, as MLX rounds them.
-template <typename T>
-static inline __attribute__((always_inline)) void moments(const Rows& p, int64_t row, int count, float* mean,
+// mean and 1 / sqrt(var + eps) of rows [row, row + count) of x (float32, rows of p.n), count <= ROWS, as MLX
+// rounds them.
+static inline __attribute__((always_inline)) void moments(const Rows& p, const float* x, int count, float* mean,
                                                           float* rstd) {
   float sum[ROWS] = {}, squares[ROWS] = {};
-  const T* x = row_of<T>(p, row);
   for (int i = 0; i < p.n; ++i) {
     for (int r = 0; r < ROWS; ++r) {
-      sum[r] += r < count ? to_float(x[r * p.n + i]) : 0.0f;
+      sum[r] += r < count ? x[r * p.n + i] : 0.0f;
     }
   }
   for (int r = 0; r < ROWS; ++r) {
@@ -68,7 +62,7 @@ static inline __attribute__((always_inline)) void moments(const Rows& p, int64_t
   }
   for (int i = 0; i < p.n; ++i) {
     for (int r = 0; r < ROWS; ++r) {
-      const float centred = (r < count ? to_float(x[r * p.n + i]) : 0.0f) - mean[r];
+      const float centred = (r < count ? x[r * p.n + i] : 0.0f) - mean[r];
       squares[r] += centred * centred;
     }
   }
@@ -77,41 +71,54 @@ static inline __attribute__((always_inline)) void moments(const Rows& p, int64_t
   }
 }
 
-// f(row, mean, rstd) for each row of [begin, end), the moments computed ROWS rows at a time.
+// f(row, x, mean, rstd) for each row of [begin, end), x the row in float32, the moments computed ROWS rows at a
+// time. bfloat16 rows are widened ROWS at a time into a float32 block first (a contiguous, vectorised pass over
+// what then stays in the cache): the loops after it are float32's.
 template <typename T, typename F>
 static inline __attribute__((always_inline)) void each_row(const Rows& p, int64_t begin, int64_t end, F f) {
   float mean[ROWS], rstd[ROWS];
+  std::vector<float> block(std::is_same_v<T, float> ? 0 : size_t(ROWS) * p.n);
   for (int64_t row = begin; row < end; row += ROWS) {
     const int count = int(std::min<int64_t>(ROWS, end - row));
-    moments<T>(p, row, count, mean, rstd);
+    const T* x = static_cast<const T*>(p.x) + row * p.n;
+    const float* rows = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      rows = x;
+    } else {
+      for (int64_t i = 0; i < int64_t(count) * p.n; ++i) {
+        block[i] = to_float(x[i]);
+      }
+      rows = block.data();
+    }
+    moments(p, rows, count, mean, rstd);
     for (int r = 0; r < count; ++r) {
-      f(row + r, mean[r], rstd[r]);
+      f(row + r, rows + r * p.n, mean[r], rstd[r]);
     }
   }
 }
 
 template <typename T>
-void forward_rows(const Rows& p, const float* w, const float* b, void* out, int64_t begin, int64_t end) {
-  each_row<T>(p, begin, end, [&](int64_t row, float mean, float rstd) {
-    const T* x = row_of<T>(p, row);
+static inline __attribute__((always_inline)) void forward_body(const Rows& p, const float* w, const float* b,
+                                                               void* out, int64_t begin, int64_t end) {
+  each_row<T>(p, begin, end, [&](int64_t row, const float* x, float mean, float rstd) {
     T* y = static_cast<T*>(out) + row * p.n;
     for (int i = 0; i < p.n; ++i) {
-      y[i] = from_float<T>((to_float(x[i]) - mean) * rstd * w[i] + b[i]);
+      y[i] = from_float<T>((x[i] - mean) * rstd * w[i] + b[i]);
     }
   });
 }
 
 // dx for rows [begin, end); the rows' g * xhat and g added to dw_part and db_part (n each). x, g and dx of T.
 template <typename T>
-void backward_rows(const Rows& p, const float* w, const void* g, void* dx, float* dw_part, float* db_part,
-                   int64_t begin, int64_t end) {
-  each_row<T>(p, begin, end, [&](int64_t row, float mean, float rstd) {
-    const T* x = row_of<T>(p, row);
+static inline __attribute__((always_inline)) void backward_body(const Rows& p, const float* w, const void* g,
+                                                                void* dx, float* dw_part, float* db_part,
+                                                                int64_t begin, int64_t end) {
+  each_row<T>(p, begin, end, [&](int64_t row, const float* x, float mean, float rstd) {
     const T* gr = static_cast<const T*>(g) + row * p.n;
     T* d = static_cast<T*>(dx) + row * p.n;
     float sum_wg = 0.0f, sum_wg_xhat = 0.0f;
     for (int i = 0; i < p.n; ++i) {
-      const float xhat = (to_float(x[i]) - mean) * rstd;
+      const float xhat = (x[i] - mean) * rstd;
       const float gi = to_float(gr[i]);
       const float wg = w[i] * gi;
       sum_wg += wg;
@@ -121,10 +128,60 @@ void backward_rows(const Rows& p, const float* w, const void* g, void* dx, float
     }
     const float mean_wg = sum_wg * p.inverse_n, mean_wg_xhat = sum_wg_xhat * p.inverse_n;
     for (int i = 0; i < p.n; ++i) {
-      const float xhat = (to_float(x[i]) - mean) * rstd;
+      const float xhat = (x[i] - mean) * rstd;
       d[i] = from_float<T>(rstd * (w[i] * to_float(gr[i]) - mean_wg - xhat * mean_wg_xhat));
     }
   });
+}
+
+using Forward = void (*)(const Rows&, const float*, const float*, void*, int64_t, int64_t);
+using Backward = void (*)(const Rows&, const float*, const void*, void*, float*, float*, int64_t, int64_t);
+
+template <typename T>
+void forward_plain(const Rows& p, const float* w, const float* b, void* out, int64_t begin, int64_t end) {
+  forward_body<T>(p, w, b, out, begin, end);
+}
+template <typename T>
+void backward_plain(const Rows& p, const float* w, const void* g, void* dx, float* dw_part, float* db_part,
+                    int64_t begin, int64_t end) {
+  backward_body<T>(p, w, g, dx, dw_part, db_part, begin, end);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The same loops in AVX2's registers (no FMA: the sums and products round as MLX's do).
+template <typename T>
+__attribute__((target("avx2"))) void forward_wide(const Rows& p, const float* w, const float* b, void* out,
+                                                  int64_t begin, int64_t end) {
+  forward_body<T>(p, w, b, out, begin, end);
+}
+template <typename T>
+__attribute__((target("avx2"))) void backward_wide(const Rows& p, const float* w, const void* g, void* dx,
+                                                   float* dw_part, float* db_part, int64_t begin, int64_t end) {
+  backward_body<T>(p, w, g, dx, dw_part, db_part, begin, end);
+}
+static bool wide_supported() { return __builtin_cpu_supports("avx2"); }
+#else
+template <typename T>
+void forward_wide(const Rows&, const float*, const float*, void*, int64_t, int64_t) {}
+template <typename T>
+void backward_wide(const Rows&, const float*, const void*, void*, float*, float*, int64_t, int64_t) {}
+static bool wide_supported() { return false; }
+#endif
+
+// The loops for x's dtype, in the widest registers this CPU has
+Forward forward_for(mx::Dtype dtype) {
+  static const bool wide = wide_supported();
+  if (dtype == mx::bfloat16) {
+    return wide ? forward_wide<kernels_native::bfloat16> : forward_plain<kernels_native::bfloat16>;
+  }
+  return wide ? forward_wide<float> : forward_plain<float>;
+}
+Backward backward_for(mx::Dtype dtype) {
+  static const bool wide = wide_supported();
+  if (dtype == mx::bfloat16) {
+    return wide ? backward_wide<kernels_native::bfloat16> : backward_plain<kernels_native::bfloat16>;
+  }
+  return wide ? backward_wide<float> : backward_plain<float>;
 }
 
 Rows rows_of(const array& x, float eps) {
@@ -145,8 +202,7 @@ class LayerNormBackward : public mx::Primitive {
       const void* g = inputs[2].data<void>();
       void* dx = outputs[0].data<void>();
       float *dw = outputs[1].data<float>(), *db = outputs[2].data<float>();
-      const auto rows = inputs[0].dtype() == mx::bfloat16 ? backward_rows<kernels_native::bfloat16>
-                                                          : backward_rows<float>;
+      const auto rows = backward_for(inputs[0].dtype());
       const int64_t blocks = (p.rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
       std::vector<float> parts(size_t(blocks) * 2 * p.n, 0.0f);  // per block: dw, then db
       const int used = kernels_native::threads_for(p.rows * p.n, threads, ELEMENTS_PER_THREAD);
@@ -191,8 +247,7 @@ class LayerNorm : public mx::UnaryPrimitive {
     encoder.dispatch([inputs, out_ptr = out.data<void>(), eps = eps_, threads = threads_]() {
       const auto p = rows_of(inputs[0], eps);
       const float *w = inputs[1].data<float>(), *b = inputs[2].data<float>();
-      const auto rows =
-          inputs[0].dtype() == mx::bfloat16 ? forward_rows<kernels_native::bfloat16> : forward_rows<float>;
+      const auto rows = forward_for(inputs[0].dtype());
       const int used = kernels_native::threads_for(p.rows * p.n, threads, ELEMENTS_PER_THREAD);
       kernels_native::parallel_rows(p.rows, used, [&](int, int64_t begin, int64_t end) {
         rows(p, w, b, out_ptr, begin, end);
