@@ -151,10 +151,11 @@ def parse(lines: list) -> dict:
     """perf report's rows -> {(dso, kind): samples} over libmlx.so's kinds, and {dso: samples} for the others."""
     samples = collections.Counter()
     for line in lines:
-        match = re.match(r"\s*[\d.]+%\s+(\d+)\s+(\S+)\s+\[.\]\s+(.*)", line)
+        match = re.match(r"\s*[\d.]+%\s+(\d+)\s+(.+?)\s+\[[.k]\]\s+(.*)", line)  # "[JIT] tid 123": oneDNN's code
         if not match:
             continue
         count_, dso, symbol = int(match.group(1)), match.group(2), match.group(3)
+        dso = "oneDNN's JIT code" if dso.startswith("[JIT]") else dso
         samples[("libmlx.so", kind_of(symbol)) if dso == "libmlx.so" else (dso, "")] += count_
     return samples
 
