@@ -20,6 +20,7 @@ from .assignment import linear_assignment
 from .backends import available as available_backends
 from .bernoulli import bernoulli16
 from .channel_affine import channel_affine
+from .elementwise import add, masked_rows
 from .export import export_mode, exporting
 from .grid_sample import grid_sample
 from .layer_norm import layer_norm
@@ -33,6 +34,7 @@ from .softmax import softmax
 
 __all__ = [
     "BACKENDS",
+    "add",
     "available_backends",
     "bernoulli16",
     "bfloat16_products",
@@ -44,6 +46,7 @@ __all__ = [
     "layer_norm",
     "linear",
     "linear_assignment",
+    "masked_rows",
     "masked_scale",
     "onednn",
     "ms_deform_attn",

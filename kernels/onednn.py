@@ -224,6 +224,15 @@ def linear(
     return None if y is None else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def binary(operation: str, a: mx.array, b: mx.array):
+    """a + b ("add") or a * b ("multiply") on oneDNN (b of a's shape or broadcast along dimensions of 1; float32 or
+    bfloat16), differentiable, in a's dtype; or None where oneDNN is not used or the shapes are not such."""
+    extension = _usable(a, b)
+    if extension is None:
+        return None
+    return extension.binary(operation, a, b, threads())
+
+
 def _operand_and_result(x, weight, bfloat16: bool, keep_bfloat16: bool, dtype) -> tuple[mx.array, str]:
     """(x as the product takes it, the result's dtype by name) for conv2d's and linear's rules: a bfloat16 x
     (handed on by a product before) whose products the rule puts in float32 widened first."""

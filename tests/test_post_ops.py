@@ -145,6 +145,7 @@ def a_norm(channels, rng):
 
 
 def test_a_folded_batch_norm_equals_the_unfolded_one_and_its_gradients_reach_the_weight(rng):
+    mx.random.seed(0)
     conv, norm = Conv2d(16, 32, 3, 2, 1, bias=False), a_norm(32, rng)
     x = mx.array(rng.standard_normal((2, 12, 10, 16)).astype(np.float32))
     r = mx.array(rng.standard_normal((2, 6, 5, 32)).astype(np.float32))
@@ -159,13 +160,16 @@ def test_a_folded_batch_norm_equals_the_unfolded_one_and_its_gradients_reach_the
         return (norm(conv(x), residual=r, relu=True) * cotangent).sum()
 
     w = conv.weight
-    assert_close(folded(w, x, r), unfolded(w, x, r), 1e-6)
+    conv.weight = w
+    # the weight scaled before the products, not their sums after: float32 rounding apart
+    assert_close(conv.with_batch_norm(x, norm, residual=r, relu=True), norm(conv(x), residual=r, relu=True), 1e-6)
     got, want = mx.grad(folded, (0, 1, 2))(w, x, r), mx.grad(unfolded, (0, 1, 2))(w, x, r)
     for g, expected in zip(got, want, strict=True):
         assert_close(g, expected, 1e-5)
 
 
 def test_in_evaluation_the_folded_weights_are_made_once_and_again_when_the_weights_change(rng):
+    mx.random.seed(0)
     conv, norm = Conv2d(8, 8, 3, 1, 1, bias=False), a_norm(8, rng)
     conv.eval()
     x = mx.array(rng.standard_normal((1, 6, 6, 8)).astype(np.float32))
@@ -201,6 +205,7 @@ def test_the_resnet_hands_on_its_maps_in_the_images_dtype_as_the_unfolded_one_co
 
 
 def test_the_ffn_with_its_relu_and_addition_as_post_ops_equals_the_unfused_one(rng):
+    mx.random.seed(0)
     layer = nn.Module()
     with_feed_forward(layer, 32, 64, 0.0, "norm")
     layer.eval()
@@ -210,3 +215,25 @@ def test_the_ffn_with_its_relu_and_addition_as_post_ops_equals_the_unfused_one(r
     want = layer.norm(x + hidden @ layer.linear2.weight.T + layer.linear2.bias)
     assert got.dtype == mx.float32
     assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_add_and_masked_rows_on_every_core_equal_mlxs_ops_and_their_gradients(dtype, rng):
+    a = mx.array(rng.standard_normal((2, 300, 64)).astype(np.float32)).astype(dtype)
+    b = mx.array(rng.standard_normal((2, 300, 64)).astype(np.float32)).astype(dtype)
+    row = mx.array(rng.standard_normal((2, 300, 1)).astype(np.float32)).astype(dtype)
+    keep = mx.array(rng.uniform(size=(2, 300, 1)) > 0.3)
+    assert mx.array_equal(kernels.add(a, b), a + b).item()
+    assert mx.array_equal(kernels.add(a, row), a + row).item()  # b broadcast along the last axis
+    assert mx.array_equal(kernels.masked_rows(a, keep), mx.where(keep, a, mx.array(0, dtype))).item()
+    cotangent = mx.array(rng.standard_normal((2, 300, 64)).astype(np.float32)).astype(dtype)
+    got = mx.grad(lambda a, r: (kernels.add(a, r) * cotangent).astype(mx.float32).sum(), (0, 1))(a, row)
+    want = mx.grad(lambda a, r: (mx.add(a, r) * cotangent).astype(mx.float32).sum(), (0, 1))(a, row)
+    for g, expected in zip(got, want, strict=True):
+        assert_close(g, expected, 1e-6 if dtype == mx.float32 else 2**-7)  # b's: summed in float32
+    got = mx.grad(lambda a: (kernels.masked_rows(a, keep) * cotangent).astype(mx.float32).sum())(a)
+    want = mx.grad(lambda a: (mx.where(keep, a, mx.array(0, dtype)) * cotangent).astype(mx.float32).sum())(a)
+    assert mx.array_equal(got, want).item()
+    with kernels.export_mode():  # an exported file holds MLX's ops
+        assert kernels.onednn.binary("add", a, b) is None
+        assert mx.array_equal(kernels.add(a, b), a + b).item()

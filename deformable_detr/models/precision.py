@@ -5,8 +5,9 @@ Training (`train.precision: bfloat16`): the weights stay float32 (so do AdamW's 
 every weight but the normalisations' is used as a bfloat16 copy (`computing_in`), so convolutions, linears
 and the attention's values compute in bfloat16; what is bfloat16 between the products and what stays float32
 is as at inference (below: the backbone's activations and the FFNs' hidden layers bfloat16, the rest float32);
-the outputs go to the losses and the matching in float32. The gradients reach the float32 weights through the copies. In float32 every cast here
-is skipped: the model is exactly the one without it. Evaluation during training runs in float32.
+the outputs go to the losses and the matching in float32. The gradients reach the float32 weights through the
+copies. In float32 every cast here is skipped: the model is exactly the one without it. Evaluation during
+training runs in float32.
 
 Inference (`--precision auto | float32 | bfloat16`, `Detector.load(precision=)`; eval.py float32 unless
 asked): `resolve_precision` decides, once, what runs and why. bfloat16 is oneDNN's, on the CPU only: the

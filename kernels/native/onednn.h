@@ -45,6 +45,9 @@ std::optional<array> conv2d_fused(const array& x, const array& weight, const std
 std::optional<array> product(const array& a, const array& b, const std::optional<array>& bias, bool transpose_a,
                              bool transpose_b, bool bfloat16, const KeptWeights* kept, int threads, bool relu = false,
                              const std::string& result = "", const std::optional<array>& residual = std::nullopt);
+// a + b ("add") or a * b ("multiply"), b of a's shape or broadcast along dimensions of 1, float32 or bfloat16, in
+// a's dtype, on every core; differentiable. None for shapes it does not take (other ranks, another broadcast).
+std::optional<array> binary(const std::string& operation, const array& a, const array& b, int threads);
 std::string describe();
 std::string conv2d_implementation(const array& x, const array& weight, int stride, int padding, int dilation,
                                   bool bfloat16, bool backward);

@@ -1,0 +1,116 @@
+// kernels._onednn's element-wise binaries (onednn.cpp has the story: threads, scratchpads): a + b and a * b, b of
+// a's shape or broadcast to it along dimensions of 1, float32 or bfloat16 each (computing in float32), the result
+// in a's dtype, as oneDNN's binary primitive: one pass on every core, where MLX's CPU binaries make one on one
+// thread (an R50 encoder layer's query, src + pos, (17821, 256): 1.7 ms on one core). oneDNN's own primitive
+// cache keeps the primitive of a shape (they are cheap to describe, and JIT-compiled once).
+
+#include <omp.h>
+
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "dispatch.h"
+#include "onednn_shared.h"
+
+namespace kernels_onednn {
+
+using mx::array;
+
+namespace {
+
+dims dims_of(const array& a) {
+  dims d;
+  for (int side : a.shape()) d.push_back(side);
+  return d;
+}
+
+dnnl::memory::desc plain(const array& a) { return dnnl::memory::desc(dims_of(a), dnnl_type(a.dtype()), dnnl::memory::format_tag(
+    a.ndim() == 1 ? tag::a : a.ndim() == 2 ? tag::ab : a.ndim() == 3 ? tag::abc : a.ndim() == 4 ? tag::abcd : tag::abcde)); }
+
+class Binary : public mx::UnaryPrimitive {
+ public:
+  Binary(mx::Stream stream, dnnl::algorithm algorithm, int threads)
+      : mx::UnaryPrimitive(stream), algorithm_(algorithm), threads_(threads) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
+    const auto a_desc = plain(inputs[0]), b_desc = plain(inputs[1]), out_desc = plain(out);
+    encoder.dispatch([a_desc, b_desc, out_desc, algorithm = algorithm_, threads = threads_,
+                      a = inputs[0].data<void>(), b = inputs[1].data<void>(), result = out.data<void>()]() {
+      omp_set_num_threads(threads);
+      const dnnl::binary::primitive_desc pd(engine(), algorithm, a_desc, b_desc, out_desc, attributes());
+      execute(dnnl::binary(pd), pd.scratchpad_desc(),
+              {{DNNL_ARG_SRC_0, dnnl::memory(a_desc, engine(), const_cast<void*>(a))},
+               {DNNL_ARG_SRC_1, dnnl::memory(b_desc, engine(), const_cast<void*>(b))},
+               {DNNL_ARG_DST, dnnl::memory(out_desc, engine(), result)}});
+    });
+  }
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("kernels._onednn runs on the CPU only");
+  }
+
+  // a + b: g to a, and to b summed over its broadcast dimensions; a * b: g * b to a (this primitive), g * a to b
+  // summed likewise (MLX's).
+  std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
+                         const std::vector<int>& argnums, const std::vector<array>&) override {
+    const mx::Stream on = stream();
+    const auto& a = primals[0];
+    const auto& b = primals[1];
+    const array g = mx::contiguous(mx::astype(cotangents[0], a.dtype(), on), false, on);
+    std::vector<array> grads;
+    for (int arg : argnums) {
+      if (arg == 0) {
+        grads.push_back(algorithm_ == dnnl::algorithm::binary_add
+                            ? g
+                            : array(a.shape(), a.dtype(), std::make_shared<Binary>(on, algorithm_, threads_),
+                                    {g, mx::contiguous(b, false, on)}));
+        continue;
+      }
+      array to_b = algorithm_ == dnnl::algorithm::binary_add ? mx::astype(g, mx::float32, on)
+                                                              : mx::multiply(mx::astype(g, mx::float32, on),
+                                                                             mx::astype(a, mx::float32, on), on);
+      std::vector<int> broadcast;
+      for (int axis = 0; axis < a.ndim(); ++axis) {
+        if (b.shape(axis) == 1 && a.shape(axis) != 1) broadcast.push_back(axis);
+      }
+      if (!broadcast.empty()) to_b = mx::sum(to_b, broadcast, true, on);
+      grads.push_back(mx::astype(to_b, b.dtype(), on));
+    }
+    return grads;
+  }
+
+  const char* name() const override { return "KernelsOnednnBinary"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Binary&>(other);
+    return algorithm_ == o.algorithm_ && threads_ == o.threads_;
+  }
+
+ private:
+  dnnl::algorithm algorithm_;
+  int threads_;
+};
+
+}  // namespace
+
+std::optional<array> binary(const std::string& operation, const array& a, const array& b, int threads) {
+  const auto algorithm = operation == "add"        ? dnnl::algorithm::binary_add
+                         : operation == "multiply" ? dnnl::algorithm::binary_mul
+                                                   : throw std::invalid_argument("kernels._onednn binary: " + operation);
+  if (a.ndim() != b.ndim() || a.ndim() < 1 || a.ndim() > 5) return std::nullopt;
+  for (int axis = 0; axis < a.ndim(); ++axis) {
+    if (b.shape(axis) != a.shape(axis) && b.shape(axis) != 1) return std::nullopt;
+  }
+  dnnl_type(a.dtype());  // float32 or bfloat16, else it throws
+  dnnl_type(b.dtype());
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  return array(a.shape(), a.dtype(), std::make_shared<Binary>(stream, algorithm, threads),
+               {mx::contiguous(a, false, stream), mx::contiguous(b, false, stream)});
+}
+
+}  // namespace kernels_onednn
