@@ -52,6 +52,7 @@ from functools import cache
 from importlib import metadata
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from . import settings
 from .cpu import threads
@@ -231,6 +232,33 @@ def binary(operation: str, a: mx.array, b: mx.array):
     if extension is None:
         return None
     return extension.binary(operation, a, b, threads())
+
+
+def max_pool2d(x: mx.array, kernel: int, stride: int, padding: int):
+    """`nn.MaxPool2d(kernel, stride, padding)(x)` (x (N, H, W, C)) on oneDNN, one pass on every core, its gradient
+    MLX's pooling's (recomputed); or None where oneDNN is not used or the window does not fit."""
+    extension = _usable(x)
+    out_h, out_w = ((side + 2 * padding - kernel) // stride + 1 for side in x.shape[1:3]) if x.ndim == 4 else (0, 0)
+    if extension is None or padding >= kernel or min(out_h, out_w) < 1:
+        return None
+    return _max_pool(kernel, stride, padding)(x)
+
+
+@cache
+def _max_pool(kernel: int, stride: int, padding: int):
+    mlx_pool = nn.MaxPool2d(kernel, stride, padding)
+
+    @mx.custom_function
+    def pooled(x):
+        return module().max_pool2d(x, kernel, stride, padding, threads())
+
+    @pooled.vjp
+    def pooled_vjp(primals, cotangent, output):
+        x = primals[0] if isinstance(primals, (tuple, list)) else primals  # one primal: MLX hands it as it is
+        _, (grad,) = mx.vjp(mlx_pool, [x], [cotangent])
+        return (grad,)
+
+    return pooled
 
 
 def _operand_and_result(x, weight, bfloat16: bool, keep_bfloat16: bool, dtype) -> tuple[mx.array, str]:

@@ -237,3 +237,16 @@ def test_add_and_masked_rows_on_every_core_equal_mlxs_ops_and_their_gradients(dt
     with kernels.export_mode():  # an exported file holds MLX's ops
         assert kernels.onednn.binary("add", a, b) is None
         assert mx.array_equal(kernels.add(a, b), a + b).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("size", [(17, 23), (8, 8), (2, 3)])
+def test_max_pooling_on_every_core_equals_mlxs_and_its_gradient(dtype, size, rng):
+    x = mx.array(rng.standard_normal((2, *size, 16)).astype(np.float32)).astype(dtype)
+    pool = nn.MaxPool2d(3, 2, 1)  # the ResNet stem's
+    assert mx.array_equal(onednn.max_pool2d(x, 3, 2, 1), pool(x)).item()
+    cotangent = mx.array(rng.standard_normal(pool(x).shape).astype(np.float32)).astype(dtype)
+    got = mx.grad(lambda x: (onednn.max_pool2d(x, 3, 2, 1) * cotangent).astype(mx.float32).sum())(x)
+    want = mx.grad(lambda x: (pool(x) * cotangent).astype(mx.float32).sum())(x)
+    assert mx.array_equal(got, want).item()
+    assert onednn.max_pool2d(x, 3, 2, 3) is None  # padding as wide as the window: MLX's

@@ -5,6 +5,8 @@ torchvision's ResNet under `backbone.0.body` (the authors' `Joiner`), so their c
 for key.
 """
 
+import kernels
+
 import mlx.nn as nn
 
 from .backbone_base import STAGE_STRIDES, BackboneBase, stages_returned
@@ -127,7 +129,9 @@ class ResNet(nn.Module):
     def __call__(self, images):
         """The maps of `stages`, in the images' dtype: inside, each convolution hands the next its result as it
         wants it (bfloat16 where their products run in bfloat16, Conv2d.with_batch_norm)."""
-        x = self.maxpool(self.conv1.with_batch_norm(images, self.bn1, relu=True))
+        x = self.conv1.with_batch_norm(images, self.bn1, relu=True)
+        pooled = kernels.onednn.max_pool2d(x, 3, 2, 1)  # self.maxpool's, on every core where oneDNN runs
+        x = self.maxpool(x) if pooled is None else pooled
         outputs = []
         for stage in range(1, 5):
             blocks = getattr(self, f"layer{stage}")

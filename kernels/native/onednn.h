@@ -48,6 +48,8 @@ std::optional<array> product(const array& a, const array& b, const std::optional
 // a + b ("add") or a * b ("multiply"), b of a's shape or broadcast along dimensions of 1, float32 or bfloat16, in
 // a's dtype, on every core; differentiable. None for shapes it does not take (other ranks, another broadcast).
 std::optional<array> binary(const std::string& operation, const array& a, const array& b, int threads);
+// Max pooling of x (N, H, W, C) over k x k windows at `stride`, `padding` each side; forward only (no VJP).
+std::optional<array> max_pool2d(const array& x, int kernel, int stride, int padding, int threads);
 std::string describe();
 std::string conv2d_implementation(const array& x, const array& weight, int stride, int padding, int dilation,
                                   bool bfloat16, bool backward);

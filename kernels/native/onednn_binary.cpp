@@ -1,4 +1,6 @@
-// kernels._onednn's element-wise binaries (onednn.cpp has the story: threads, scratchpads): a + b and a * b, b of
+// kernels._onednn's element-wise binaries and max pooling (onednn.cpp has the story: threads, scratchpads).
+//
+// Binaries: a + b and a * b, b of
 // a's shape or broadcast to it along dimensions of 1, float32 or bfloat16 each (computing in float32), the result
 // in a's dtype, as oneDNN's binary primitive: one pass on every core, where MLX's CPU binaries make one on one
 // thread (an R50 encoder layer's query, src + pos, (17821, 256): 1.7 ms on one core). oneDNN's own primitive
@@ -111,6 +113,61 @@ std::optional<array> binary(const std::string& operation, const array& a, const 
   const auto stream = mx::default_stream(mx::Device::cpu);
   return array(a.shape(), a.dtype(), std::make_shared<Binary>(stream, algorithm, threads),
                {mx::contiguous(a, false, stream), mx::contiguous(b, false, stream)});
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Max pooling of x (N, H, W, C) channels-last, a k x k window at `stride`, `padding` on each side (never taken:
+// -inf), float32 or bfloat16, as oneDNN's pooling: one pass on every core, where MLX's (nn.MaxPool2d: a padded
+// copy, then a max over a strided view) made two on one thread (R50's stem at 800 x 1066, (400, 533, 64)). Its
+// gradient is not this primitive's: kernels/onednn.py's max_pool2d takes MLX's.
+
+namespace {
+
+class MaxPool : public mx::UnaryPrimitive {
+ public:
+  MaxPool(mx::Stream stream, int kernel, int stride, int padding, int threads)
+      : mx::UnaryPrimitive(stream), kernel_(kernel), stride_(stride), padding_(padding), threads_(threads) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out});
+    const auto& x = inputs[0];
+    const dt type = dnnl_type(x.dtype());
+    const dnnl::memory::desc src({x.shape(0), x.shape(3), x.shape(1), x.shape(2)}, type, tag::nhwc);
+    const dnnl::memory::desc dst({out.shape(0), out.shape(3), out.shape(1), out.shape(2)}, type, tag::nhwc);
+    encoder.dispatch([src, dst, k = kernel_, s = stride_, p = padding_, threads = threads_, in = x.data<void>(),
+                      result = out.data<void>()]() {
+      omp_set_num_threads(threads);
+      const dnnl::pooling_forward::primitive_desc pd(engine(), dnnl::prop_kind::forward_inference,
+                                                     dnnl::algorithm::pooling_max, src, dst, {s, s}, {k, k}, {0, 0},
+                                                     {p, p}, {p, p}, attributes());
+      execute(dnnl::pooling_forward(pd), pd.scratchpad_desc(),
+              {{DNNL_ARG_SRC, dnnl::memory(src, engine(), const_cast<void*>(in))},
+               {DNNL_ARG_DST, dnnl::memory(dst, engine(), result)}});
+    });
+  }
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("kernels._onednn runs on the CPU only");
+  }
+  const char* name() const override { return "KernelsOnednnMaxPool"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const MaxPool&>(other);
+    return kernel_ == o.kernel_ && stride_ == o.stride_ && padding_ == o.padding_ && threads_ == o.threads_;
+  }
+
+ private:
+  int kernel_, stride_, padding_, threads_;
+};
+
+}  // namespace
+
+std::optional<array> max_pool2d(const array& x, int kernel, int stride, int padding, int threads) {
+  if (x.ndim() != 4 || padding >= kernel) return std::nullopt;
+  dnnl_type(x.dtype());
+  const int out_h = (x.shape(1) + 2 * padding - kernel) / stride + 1, out_w = (x.shape(2) + 2 * padding - kernel) / stride + 1;
+  if (out_h < 1 || out_w < 1) return std::nullopt;
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  return array({x.shape(0), out_h, out_w, x.shape(3)}, x.dtype(),
+               std::make_shared<MaxPool>(stream, kernel, stride, padding, threads), {mx::contiguous(x, false, stream)});
 }
 
 }  // namespace kernels_onednn
