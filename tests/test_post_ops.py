@@ -185,7 +185,7 @@ def test_in_evaluation_the_folded_weights_are_made_once_and_again_when_the_weigh
 
 
 @pytest.mark.parametrize("products", PRODUCTS)
-def test_the_resnet_hands_on_its_maps_in_the_images_dtype_as_the_unfolded_one_computes_them(products, rng):
+def test_the_resnet_hands_on_its_maps_as_its_products_leave_them_as_the_unfolded_one_computes_them(products, rng):
     mx.random.seed(0)
     body = ResNet("resnet18", width=16)
     for module in body.modules():
@@ -199,7 +199,7 @@ def test_the_resnet_hands_on_its_maps_in_the_images_dtype_as_the_unfolded_one_co
     with kernels.export_mode():  # MLX's convolutions and the norms unfolded, in float32
         reference = body(images)
     for got, want in zip(maps, reference, strict=True):
-        assert got.dtype == mx.float32
+        assert got.dtype == dtype  # bfloat16 from bfloat16 products: the input projections take them as they are
         # bfloat16: each convolution's operands and result rounded, through 8 blocks
         assert_close(got, want, 1e-5 if products == "float32" else 0.05)
 
@@ -250,3 +250,23 @@ def test_max_pooling_on_every_core_equals_mlxs_and_its_gradient(dtype, size, rng
     want = mx.grad(lambda x: (pool(x) * cotangent).astype(mx.float32).sum())(x)
     assert mx.array_equal(got, want).item()
     assert onednn.max_pool2d(x, 3, 2, 3) is None  # padding as wide as the window: MLX's
+
+
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_an_input_projection_takes_the_map_as_it_is_and_gives_the_images_dtype(products, rng):
+    mx.random.seed(0)
+    convolution = Conv2d(32, 16, 1)
+    x = mx.array(rng.standard_normal((1, 9, 7, 32)).astype(np.float32))
+    given = x.astype(mx.bfloat16) if products == "bfloat16" else x
+    with onednn.products_in(mx.bfloat16 if products == "bfloat16" else mx.float32):
+        y = convolution(given, dtype=mx.float32)
+    assert y.dtype == mx.float32
+    want = (
+        mx.conv2d(
+            given.astype(mx.float32), rounded(convolution.weight) if products == "bfloat16" else convolution.weight
+        )
+        + convolution.bias
+    )
+    assert_close(y, want, 1e-6)
+    with kernels.export_mode():  # MLX's convolution, then the dtype asked
+        assert convolution(given, dtype=mx.float32).dtype == mx.float32

@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from .backbone_base import STAGE_STRIDES, BackboneBase, stages_returned
 from .convolution import Conv2d
-from .precision import FrozenBatchNorm2d, to
+from .precision import FrozenBatchNorm2d
 from .recompute import checkpointed
 
 # name -> (block, blocks per stage)
@@ -127,8 +127,9 @@ class ResNet(nn.Module):
         self.activation_checkpointing = False  # recompute layer2..layer4 in the backward (recompute.py)
 
     def __call__(self, images):
-        """The maps of `stages`, in the images' dtype: inside, each convolution hands the next its result as it
-        wants it (bfloat16 where their products run in bfloat16, Conv2d.with_batch_norm)."""
+        """The maps of `stages`, each convolution handing the next its result as it wants it: bfloat16 where their
+        products run in bfloat16 (Conv2d.with_batch_norm), and so the maps (the detector's input projections take
+        them as they are and give the images' dtype back)."""
         x = self.conv1.with_batch_norm(images, self.bn1, relu=True)
         pooled = kernels.onednn.max_pool2d(x, 3, 2, 1)  # self.maxpool's, on every core where oneDNN runs
         x = self.maxpool(x) if pooled is None else pooled
@@ -142,7 +143,7 @@ class ResNet(nn.Module):
                 enabled=self.activation_checkpointing and stage > 1,
             )
             if stage - 1 in self.stages:
-                outputs.append(to(x, images.dtype))
+                outputs.append(x)
         return outputs
 
 

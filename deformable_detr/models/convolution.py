@@ -10,6 +10,8 @@ import kernels
 import mlx.core as mx
 import mlx.nn as nn
 
+from .precision import to
+
 
 class Conv2d(nn.Conv2d):
     """`nn.Conv2d` computed as matrix products on the CPU, same parameters: 1 x 1 as a product of the
@@ -33,19 +35,20 @@ class Conv2d(nn.Conv2d):
             return None
         return stride, padding, dilation
 
-    def __call__(self, x):
+    def __call__(self, x, dtype=None):
+        """The convolution, in `dtype` where given (else x's)."""
         geometry = self._cpu_geometry()
         if geometry is None:
-            return super().__call__(x)
+            return to(super().__call__(x), dtype or x.dtype)
         stride, padding, dilation = geometry
-        y = kernels.onednn.conv2d(x, self.weight, stride, padding, dilation, bias=self.get("bias"))
+        y = kernels.onednn.conv2d(x, self.weight, stride, padding, dilation, bias=self.get("bias"), dtype=dtype)
         if y is not None:
-            return y  # the bias added as the convolution's post-op
+            return y  # the bias added as the convolution's post-op, the result in `dtype` as it is written
         if self.weight.shape[1:3] == (1, 1) and padding == 0:
             y = x[:, ::stride, ::stride] @ self.weight.reshape(self.weight.shape[0], -1).T
         else:
             y = _patches_conv(stride, padding, dilation)(x, self.weight)
-        return y + self.bias if "bias" in self else y
+        return to(y + self.bias if "bias" in self else y, dtype or x.dtype)
 
     def with_batch_norm(self, x, norm, residual=None, relu: bool = False):
         """`norm(self(x), residual, relu)` for a frozen batch norm `norm` (models/precision.FrozenBatchNorm2d),

@@ -42,10 +42,12 @@ class ClassHead(Linear):
             return super().__call__(x)
 
 
-def _sequential(layers, x):
-    for layer in layers:
-        x = layer(x)
-    return x
+def _projected(projection, x, dtype):
+    """An input projection ([Conv2d, GroupNorm]) of a map: the convolution takes the map as the backbone left it
+    (bfloat16 where its products ran in bfloat16) and gives `dtype` (the images'), one pass where a cast made
+    another before it."""
+    convolution, norm = projection
+    return norm(convolution(x, dtype=dtype))
 
 
 class DeformableDETR(nn.Module):
@@ -134,10 +136,11 @@ class DeformableDETR(nn.Module):
         """The transformer's input: per level the projected map (B, h, w, d), its padding mask (B, h, w) and its
         position encoding."""
         features = self.backbone[0](images, mask)
-        srcs = [_sequential(self.input_proj[level], x) for level, (x, _) in enumerate(features)]
+        srcs = [_projected(self.input_proj[level], x, images.dtype) for level, (x, _) in enumerate(features)]
         masks = [m for _, m in features]
         for level in range(len(features), self.num_feature_levels):
-            srcs.append(_sequential(self.input_proj[level], features[-1][0] if level == len(features) else srcs[-1]))
+            x = features[-1][0] if level == len(features) else srcs[-1]
+            srcs.append(_projected(self.input_proj[level], x, images.dtype))
             masks.append(resize_mask(mask, srcs[-1].shape[1], srcs[-1].shape[2]))
         pos = [to(self.position_embedding(m), src.dtype) for m, src in zip(masks, srcs, strict=True)]
         return srcs, masks, pos
