@@ -55,9 +55,10 @@ class Conv2d(nn.Conv2d):
         computed as OpenVINO and TensorRT compute it: the norm folded into this convolution (its weight scaled
         per output channel, its shift the bias) and the bias, the residual and the ReLU as oneDNN post-ops, one
         pass over memory where the unfolded way made a convolution and a channel_affine pass. The result stays
-        bfloat16 where the products run in bfloat16 (the next convolution's input as it wants it); the caller
-        widens what leaves the backbone. Where oneDNN does not run it (another device, an export, no fast kernel),
-        the unfolded way: the parameters are the unfolded ones, for training, checkpoints and exports alike.
+        bfloat16 where the products run in bfloat16 (the next convolution's input as it wants it; the detector's
+        input projections take the last as it is: Conv2d(x, dtype=)). Where oneDNN does not run it (another
+        device, an export, no fast kernel), the unfolded way: the parameters are the unfolded ones, for
+        training, checkpoints and exports alike.
         The folded weights are computed once per model at inference (kept while its weights are the same
         arrays), at every call in training (the gradient reaches the unfolded weight through them)."""
         geometry = self._cpu_geometry()

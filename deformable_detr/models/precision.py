@@ -17,8 +17,8 @@ bfloat16 (but the class and box heads', `float32_heads`).
 What is bfloat16 between the products, and what stays float32, and why (here, once; training's weights above):
 - bfloat16: the ResNet's activations from one convolution to the next (its frozen batch norms folded into the
   convolutions, its residuals and ReLUs their post-ops: nothing float32 sits between them,
-  convolution.Conv2d.with_batch_norm; its maps leave in the images' dtype), and an FFN's hidden layer (linear1's
-  ReLU its post-op, linear2 taking it as it is: deformable_transformer.feed_forward).
+  convolution.Conv2d.with_batch_norm; the input projections take its maps so and write float32), and an FFN's
+  hidden layer (linear1's ReLU its post-op, linear2 taking it as it is: deformable_transformer.feed_forward).
 - float32: the residual stream between the transformer's sublayers, which every LayerNorm reads and every
   residual addition accumulates into (bfloat16 would round each layer's sum to 8 bits); the LayerNorms and the
   input projections' GroupNorms (their statistics); the softmaxes (weights summing to 1); the sampling offsets
