@@ -34,11 +34,14 @@ int attention_isa();
 // b's targets to its queries (each size <= Q).
 array linear_assignment(const array& cost, const std::vector<int>& sizes);
 
-// x float32, any shape: the softmax over its last axis, MLX's CPU softmax bit for bit.
+// x float32 or bfloat16 (computed in float32, each result rounded back), any shape: the softmax over its last
+// axis, MLX's CPU softmax bit for bit; its VJP MLX's s * g - s * sum(s * g), rounded as MLX's ops round it, in
+// one pass.
 array softmax(const array& x, int threads);
 
-// x float32 (..., n), weight and bias (n,): the layer norm over the last axis, MLX's CPU layer norm
-// bit for bit; its VJP from the input alone.
+// x float32 or bfloat16 (..., n), weight and bias float32 (n,): the layer norm over the last axis, MLX's CPU
+// layer norm bit for bit (bfloat16: computed in float32, the result and dx in x's dtype); its VJP from the
+// input alone.
 array layer_norm(const array& x, const array& weight, const array& bias, float eps, int threads);
 
 // x float32 (N, H, W, C) -> (N, Ho, Wo, kernel_h * kernel_w * C): each output pixel's taps (ky, kx,
@@ -69,13 +72,14 @@ array broadcast_rows(const array& row, const std::vector<int>& shape, int thread
 // argument reduction for both), on every core; VJP g_sin * cos - g_cos * sin.
 array sin_cos(const array& x, int threads);
 
-// x float32, keep bool of x's shape: where(keep, x * scale, 0), or with relu where(keep, max(x, 0) *
+// x float32 or bfloat16 (MLX's bfloat16 ops: the scale rounded to bfloat16; the output of x's dtype), keep bool
+// of x's shape: where(keep, x * scale, 0), or with relu where(keep, max(x, 0) *
 // scale, 0) (dropout, dropout after a ReLU); scale_where_positive: where(output > 0, x * scale, 0) (x
 // unscaled for scale 1: a ReLU's gradient from its output). MLX's ops bit for bit, one pass on every
 // core; VJPs of the same kind (with relu from the output).
 array masked_scale(const array& x, const array& keep, float scale, bool relu, int threads);
 array scale_where_positive(const array& x, const array& output, float scale, int threads);
-// x float32: max(x, 0), MLX's maximum bit for bit (NaN kept, -0 to +0), on every core; VJP
+// x float32 or bfloat16: max(x, 0), MLX's maximum bit for bit (NaN kept, -0 to +0), on every core; VJP
 // scale_where_positive of the output.
 array relu(const array& x, int threads);
 
