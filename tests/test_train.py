@@ -87,7 +87,7 @@ def test_zero_sampling_offsets_gradient_stops_the_first_step(shapes, tmp_path, m
     monkeypatch.setattr(
         module,
         "kernels",
-        types.SimpleNamespace(ms_deform_attn=blind, softmax=kernels.softmax, masked_scale=kernels.masked_scale),
+        types.SimpleNamespace(ms_deform_attn=blind, softmax=kernels.softmax, masked_rows=kernels.masked_rows),
     )
     with pytest.raises(
         SystemExit,

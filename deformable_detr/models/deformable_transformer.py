@@ -66,9 +66,9 @@ def with_feed_forward(layer, d_model: int, d_ffn: int, dropout: float, norm: str
 def plus_sublayer(layer, x, sublayer):
     """x + dropout(sublayer's output) for a layer's residual connection: `sublayer(residual)` computes the output
     (+ `residual` where given: the addition as its last product's post-op, oneDNN's, no pass of its own). Where
-    the layer's dropout is active (training, p > 0) it sits between, and the addition is MLX's."""
+    the layer's dropout is active (training, p > 0) it sits between, and the addition is a pass of its own."""
     if layer.dropout.active:
-        return x + layer.dropout(sublayer(None))
+        return kernels.add(x, layer.dropout(sublayer(None)))  # every core: MLX's add is a pass on one
     return sublayer(x)
 
 
