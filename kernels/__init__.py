@@ -20,7 +20,7 @@ from .assignment import linear_assignment
 from .backends import available as available_backends
 from .bernoulli import bernoulli16
 from .channel_affine import channel_affine
-from .elementwise import add, masked_rows
+from .elementwise import add, astype, masked_rows
 from .export import export_mode, exporting
 from .grid_sample import grid_sample
 from .layer_norm import layer_norm
@@ -35,6 +35,7 @@ from .softmax import softmax
 __all__ = [
     "BACKENDS",
     "add",
+    "astype",
     "available_backends",
     "bernoulli16",
     "bfloat16_products",

@@ -9,6 +9,7 @@ import numpy as np
 
 from . import backends, selfcheck
 from .checks import check_choice, check_float, check_rank, compute_dtype, fail, level_starts
+from .elementwise import astype
 from .export import custom_function
 from .sampling import bilinear_taps, pad_coordinates
 
@@ -71,7 +72,7 @@ def ms_deform_attn(
         attend = kernel.ms_deform_attn_core(
             shapes, bool(align_corners), padding_mode, value_layout, sampling_locations_layout
         )
-        return attend(*(a.astype(result_dtype) for a in (value, sampling_locations, attention_weights)))
+        return attend(*(astype(a, result_dtype) for a in (value, sampling_locations, attention_weights)))
 
     value = canonical_value
     dtype = compute_dtype(value, locations, attention_weights)

@@ -234,6 +234,15 @@ def binary(operation: str, a: mx.array, b: mx.array):
     return extension.binary(operation, a, b, threads())
 
 
+def astype(x: mx.array, dtype):
+    """x cast between float32 and bfloat16 on oneDNN (round to nearest even, MLX's bits), differentiable; or None
+    where oneDNN is not used, the dtypes are others, or they are the same."""
+    extension = _usable(x)
+    if extension is None or dtype not in (mx.float32, mx.bfloat16) or x.dtype == dtype:
+        return None
+    return extension.cast(x, dtype, threads())
+
+
 def max_pool2d(x: mx.array, kernel: int, stride: int, padding: int):
     """`nn.MaxPool2d(kernel, stride, padding)(x)` (x (N, H, W, C)) on oneDNN, one pass on every core, its gradient
     MLX's pooling's (recomputed); or None where oneDNN is not used or the window does not fit."""

@@ -270,3 +270,20 @@ def test_an_input_projection_takes_the_map_as_it_is_and_gives_the_images_dtype(p
     assert_close(y, want, 1e-6)
     with kernels.export_mode():  # MLX's convolution, then the dtype asked
         assert convolution(given, dtype=mx.float32).dtype == mx.float32
+
+
+def test_casts_on_every_core_are_mlxs_but_for_subnormals_and_pass_gradients_back(rng):
+    x = mx.array(np.concatenate([rng.standard_normal(5000) * 100, [np.inf, -np.inf, np.nan, -0.0, 3.3e38, 1e-39]]))
+    x = x.astype(mx.float32)
+    narrowed, want = kernels.astype(x, mx.bfloat16), x.astype(mx.bfloat16)
+    assert narrowed.dtype == mx.bfloat16
+    same = np.array(narrowed.view(mx.uint16)) == np.array(want.view(mx.uint16))
+    assert same[:-1].all() and not same[-1]  # 1e-39, a float32 subnormal: oneDNN flushes it to 0
+    assert np.array(narrowed[-1].astype(mx.float32)) == 0
+    widened = kernels.astype(want, mx.float32)
+    assert np.array_equal(np.array(widened.view(mx.uint32)), np.array(want.astype(mx.float32).view(mx.uint32)))
+    assert kernels.astype(x, mx.float32) is x
+    finite = x[:5000]
+    got = mx.grad(lambda v: (kernels.astype(v, mx.bfloat16).astype(mx.float32) ** 2).sum())(finite)
+    expected = mx.grad(lambda v: (v.astype(mx.bfloat16).astype(mx.float32) ** 2).sum())(finite)
+    assert got.dtype == mx.float32 and mx.array_equal(got, expected).item()

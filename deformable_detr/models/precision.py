@@ -2,19 +2,19 @@
 the backbone's `FrozenBatchNorm2d`); mixed-precision training; and the precision inference's products run in.
 
 Training (`train.precision: bfloat16`): the weights stay float32 (so do AdamW's moments); in the forward,
-every weight but the normalisations' is used as a bfloat16 copy (`computing_in`), so convolutions, linears
-and the attention's values compute in bfloat16; what is bfloat16 between the products and what stays float32
-is as at inference (below: the backbone's activations and the FFNs' hidden layers bfloat16, the rest float32);
-the outputs go to the losses and the matching in float32. The gradients reach the float32 weights through the
-copies. In float32 every cast here is skipped: the model is exactly the one without it. Evaluation during
-training runs in float32.
+every weight but the normalisations' is used as a bfloat16 copy (`computing_in`) and the images are cast to
+bfloat16, so the activations are bfloat16 from one operation to the next, the residual stream too; the
+normalisations, the softmaxes, the sampling locations and the attention core compute in float32 and hand
+bfloat16 on; the outputs go to the losses and the matching in float32. The casts run on every core
+(kernels.astype). The gradients reach the float32 weights through the copies. In float32 every cast here is
+skipped: the model is exactly the one without it. Evaluation during training runs in float32.
 
 Inference (`--precision auto | float32 | bfloat16`, `Detector.load(precision=)`; eval.py float32 unless
 asked): `resolve_precision` decides, once, what runs and why. bfloat16 is oneDNN's, on the CPU only: the
 forward runs inside `kernels.onednn.products_in(mx.bfloat16)`, the convolutions' and linears' products in
 bfloat16 (but the class and box heads', `float32_heads`).
 
-What is bfloat16 between the products, and what stays float32, and why (here, once; training's weights above):
+At inference, what is bfloat16 between the products, and what stays float32, and why (here, once):
 - bfloat16: the ResNet's activations from one convolution to the next (its frozen batch norms folded into the
   convolutions, its residuals and ReLUs their post-ops: nothing float32 sits between them,
   convolution.Conv2d.with_batch_norm; the input projections take its maps so and write float32), and an FFN's
@@ -49,12 +49,13 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
 def to(x: mx.array, dtype) -> mx.array:
-    return x if x.dtype == dtype else x.astype(dtype)
+    """x in `dtype` (between float32 and bfloat16 on every CPU core: kernels.astype)."""
+    return kernels.astype(x, dtype)
 
 
 def widened(x: mx.array) -> mx.array:
     """`x` in float32 where it is a 16-bit float; as it is otherwise (float32, float64)."""
-    return x.astype(mx.float32) if x.dtype in (mx.bfloat16, mx.float16) else x
+    return kernels.astype(x, mx.float32) if x.dtype in (mx.bfloat16, mx.float16) else x
 
 
 class LayerNorm(nn.LayerNorm):
@@ -135,7 +136,7 @@ def computing_in(model: nn.Module, dtype):
         for key, _ in tree_flatten(module.parameters())
     }
     cast = [
-        (k, v if k in kept or not mx.issubdtype(v.dtype, mx.floating) else v.astype(dtype))
+        (k, v if k in kept or not mx.issubdtype(v.dtype, mx.floating) else kernels.astype(v, dtype))
         for k, v in tree_flatten(own)
     ]
     model.update(tree_unflatten(cast))

@@ -50,6 +50,8 @@ std::optional<array> product(const array& a, const array& b, const std::optional
 std::optional<array> binary(const std::string& operation, const array& a, const array& b, int threads);
 // Max pooling of x (N, H, W, C) over k x k windows at `stride`, `padding` each side; forward only (no VJP).
 std::optional<array> max_pool2d(const array& x, int kernel, int stride, int padding, int threads);
+// x cast between float32 and bfloat16 (to nearest even) on every core; differentiable. None for the same dtype.
+std::optional<array> cast(const array& x, mlx::core::Dtype dtype, int threads);
 std::string describe();
 std::string conv2d_implementation(const array& x, const array& weight, int stride, int padding, int dilation,
                                   bool bfloat16, bool backward);

@@ -35,6 +35,7 @@ NB_MODULE(_onednn, m) {
         "residual"_a.none() = nb::none(), without_gil);
   m.def("binary", &kernels_onednn::binary, "operation"_a, "a"_a, "b"_a, "threads"_a);
   m.def("max_pool2d", &kernels_onednn::max_pool2d, "x"_a, "kernel"_a, "stride"_a, "padding"_a, "threads"_a);
+  m.def("cast", &kernels_onednn::cast, "x"_a, "dtype"_a, "threads"_a);
   m.def("describe", &kernels_onednn::describe);
   m.def("conv2d_implementation", &kernels_onednn::conv2d_implementation, "x"_a, "weight"_a, "stride"_a, "padding"_a,
         "dilation"_a, "bfloat16"_a, "backward"_a = false);
