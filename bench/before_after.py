@@ -115,7 +115,7 @@ def main(argv=None):
     lines = [
         f"R50 Deformable DETR (configs/r50.yaml, random weights), this checkout ({commit_of(ROOT)}) against "
         f"{args.before} ({commit_of(args.before)}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"CPU: {cpu_model(count=True)}{instruction_caps()}; flags: {cpu_features()}; bfloat16 products "
+        f"CPU: {cpu_model(count=True)}{instruction_caps()} ({cpu_features()}); bfloat16 products "
         f"{'fast' if fast else 'not fast'}: {why}; {args.threads} threads each side; load average {start_load} at "
         f"the start, {load_average()} at the end",
         f"ours: the median of {args.rounds} rounds (each a process's median of {args.repeats} after a warm-up), the "
