@@ -240,6 +240,8 @@ def astype(x: mx.array, dtype):
     extension = _usable(x)
     if extension is None or dtype not in (mx.float32, mx.bfloat16) or x.dtype == dtype:
         return None
+    if bfloat16_kernels() is not None:  # without bfloat16 instructions its conversions are emulated (-0 lost on AVX2)
+        return None
     return extension.cast(x, dtype, threads())
 
 
@@ -250,6 +252,8 @@ def max_pool2d(x: mx.array, kernel: int, stride: int, padding: int):
     out_h, out_w = ((side + 2 * padding - kernel) // stride + 1 for side in x.shape[1:3]) if x.ndim == 4 else (0, 0)
     if extension is None or padding >= kernel or min(out_h, out_w) < 1:
         return None
+    if extension.max_pool2d(x, kernel, stride, padding, threads()) is None:  # only reference loops, or none
+        return None  # (the array made to ask is never evaluated)
     return _max_pool(kernel, stride, padding)(x)
 
 

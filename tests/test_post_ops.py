@@ -239,7 +239,7 @@ def test_add_and_masked_rows_on_every_core_equal_mlxs_ops_and_their_gradients(dt
         assert mx.array_equal(kernels.add(a, b), a + b).item()
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dtype", [mx.float32, pytest.param(mx.bfloat16, marks=needs_bfloat16)])
 @pytest.mark.parametrize("size", [(17, 23), (8, 8), (2, 3)])
 def test_max_pooling_on_every_core_equals_mlxs_and_its_gradient(dtype, size, rng):
     x = mx.array(rng.standard_normal((2, *size, 16)).astype(np.float32)).astype(dtype)
@@ -278,8 +278,8 @@ def test_casts_on_every_core_are_mlxs_but_for_subnormals_and_pass_gradients_back
     narrowed, want = kernels.astype(x, mx.bfloat16), x.astype(mx.bfloat16)
     assert narrowed.dtype == mx.bfloat16
     same = np.array(narrowed.view(mx.uint16)) == np.array(want.view(mx.uint16))
-    assert same[:-1].all() and not same[-1]  # 1e-39, a float32 subnormal: oneDNN flushes it to 0
-    assert np.array(narrowed[-1].astype(mx.float32)) == 0
+    on_onednn = onednn.astype(x, mx.bfloat16) is not None  # not on AVX2: oneDNN 3.2 has no bfloat16 there
+    assert same[:-1].all() and same[-1] != on_onednn  # 1e-39, a float32 subnormal: oneDNN flushes it to 0
     widened = kernels.astype(want, mx.float32)
     assert np.array_equal(np.array(widened.view(mx.uint32)), np.array(want.astype(mx.float32).view(mx.uint32)))
     assert kernels.astype(x, mx.float32) is x

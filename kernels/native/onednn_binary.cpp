@@ -110,8 +110,12 @@ std::optional<array> binary(const std::string& operation, const array& a, const 
   }
   // oneDNN's kernel for these shapes, or None where it has only its reference loops (b broadcast along a middle
   // dimension took 2.7x an R50 inference's time): asked once per call, cheaply (its primitive cache has the kernel)
-  const dnnl::binary::primitive_desc pd(engine(), algorithm, plain(a), plain(b), plain(a), attributes());
-  if (!refusal(pd, "").empty()) return std::nullopt;
+  try {  // none at all: bfloat16 on AVX2 (oneDNN 3.2)
+    const dnnl::binary::primitive_desc pd(engine(), algorithm, plain(a), plain(b), plain(a), attributes());
+    if (!refusal(pd, "").empty()) return std::nullopt;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
   const auto stream = mx::default_stream(mx::Device::cpu);
   return array(a.shape(), a.dtype(), std::make_shared<Binary>(stream, algorithm, threads),
                {mx::contiguous(a, false, stream), mx::contiguous(b, false, stream)});
@@ -167,6 +171,18 @@ std::optional<array> max_pool2d(const array& x, int kernel, int stride, int padd
   dnnl_type(x.dtype());
   const int out_h = (x.shape(1) + 2 * padding - kernel) / stride + 1, out_w = (x.shape(2) + 2 * padding - kernel) / stride + 1;
   if (out_h < 1 || out_w < 1) return std::nullopt;
+  try {  // oneDNN's kernel for it, or None where it has only its reference loops or none (bfloat16 on AVX2)
+    const dt type = dnnl_type(x.dtype());
+    const dnnl::memory::desc src({x.shape(0), x.shape(3), x.shape(1), x.shape(2)}, type, tag::nhwc);
+    const dnnl::memory::desc dst({x.shape(0), x.shape(3), out_h, out_w}, type, tag::nhwc);
+    const dnnl::pooling_forward::primitive_desc pd(engine(), dnnl::prop_kind::forward_inference,
+                                                   dnnl::algorithm::pooling_max, src, dst, {stride, stride},
+                                                   {kernel, kernel}, {0, 0}, {padding, padding}, {padding, padding},
+                                                   attributes());
+    if (!refusal(pd, "").empty()) return std::nullopt;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
   const auto stream = mx::default_stream(mx::Device::cpu);
   return array({x.shape(0), out_h, out_w, x.shape(3)}, x.dtype(),
                std::make_shared<MaxPool>(stream, kernel, stride, padding, threads), {mx::contiguous(x, false, stream)});
@@ -218,8 +234,14 @@ class Cast : public mx::UnaryPrimitive {
 
 std::optional<array> cast(const array& x, mx::Dtype dtype, int threads) {
   if (x.dtype() == dtype || x.size() == 0) return std::nullopt;
-  dnnl_type(x.dtype());  // float32 or bfloat16, else it throws
-  dnnl_type(dtype);
+  try {  // oneDNN's reorder for it, or None where it has none (bfloat16 on AVX2)
+    const dnnl::memory::desc from({int64_t(x.size())}, dnnl_type(x.dtype()), tag::a);
+    const dnnl::memory::desc to({int64_t(x.size())}, dnnl_type(dtype), tag::a);
+    const dnnl::reorder::primitive_desc pd(engine(), from, engine(), to);
+    if (!refusal(pd, "").empty()) return std::nullopt;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
   const auto stream = mx::default_stream(mx::Device::cpu);
   return array(x.shape(), dtype, std::make_shared<Cast>(stream, threads), {mx::contiguous(x, false, stream)});
 }
