@@ -123,15 +123,20 @@ def sides_report(args, timed, what: str, outputs: str, pairs: list) -> str:
     return report(lines, args.output)
 
 
-def median_time(run, repeats: int) -> float:
-    """Median wall time of `repeats` calls after one warm-up call."""
+def wall_times(run, repeats: int) -> list:
+    """The wall time of each of `repeats` calls, after one warm-up call."""
     run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(run, repeats: int) -> float:
+    """Median wall time of `repeats` calls after one warm-up call."""
+    return statistics.median(wall_times(run, repeats))
 
 
 def measured(command: list, env: dict, what: str) -> dict:

@@ -59,7 +59,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from common import RESULTS, cpu_features, cpu_model, instruction_caps, load_average, measured, report  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    cpu_features,
+    cpu_model,
+    instruction_caps,
+    load_average,
+    measured,
+    report,
+    wall_times,
+)
 
 CATEGORIES = ("products", "fused one-pass passes", "attention core", "rest")
 PRODUCTS = ("conv2d", "linear")  # of kernels.onednn
@@ -200,7 +209,7 @@ def measure_ours(root: Path, repeats: int) -> dict:
             with kernels.onednn.products_in(dtype, kept):
                 mx.eval(model(x, m))
 
-        plain = rounds(forward, repeats)
+        plain = wall_times(forward, repeats)
         originals = [(module, name, getattr(module, name)) for module, name, _, _ in points]
         for module, name, category, label in points:
             setattr(module, name, clock.wrap(category, label, getattr(module, name)))
@@ -232,17 +241,6 @@ def measure_ours(root: Path, repeats: int) -> dict:
         chosen["instrumented_rounds"] = [r["total"] for r in instrumented]
         result["precisions"][precision] = chosen
     return result
-
-
-def rounds(run, repeats: int) -> list:
-    """Each of `repeats` calls' seconds, after a warm-up call."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def commit_of(root: Path) -> str:

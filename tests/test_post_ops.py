@@ -14,27 +14,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from test_onednn import PRODUCTS, assert_close, needs_bfloat16, rounded
 
 pytestmark = pytest.mark.skipif(onednn.module() is None, reason=f"oneDNN is not used here: {onednn.missing()}")
-NO_FAST_BFLOAT16 = onednn.bfloat16_kernels() if onednn.module() is not None else None
-needs_bfloat16 = pytest.mark.skipif(NO_FAST_BFLOAT16 is not None, reason=f"no fast bfloat16: {NO_FAST_BFLOAT16}")
-PRODUCTS = ["float32", pytest.param("bfloat16", marks=needs_bfloat16)]
 FUSIONS = [  # (bias, residual, relu)
     (True, False, False),
     (False, False, True),
     (True, True, True),  # a ResNet block's last convolution, its norm folded
     (False, True, False),
 ]
-
-
-def rounded(a):
-    return a.astype(mx.bfloat16).astype(mx.float32)
-
-
-def assert_close(got, want, tolerance):
-    got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    scale = max(np.abs(want).max(), 1e-6)
-    assert np.abs(got - want).max() <= tolerance * scale, (np.abs(got - want).max(), scale)
 
 
 @pytest.mark.parametrize("kernel,stride,padding", [(1, 1, 0), (3, 2, 1), (7, 2, 3)])

@@ -43,11 +43,9 @@
 // This file: what the kinds share (onednn_shared.h), the caches and the module's answers about them;
 // convolutions in onednn_conv.cpp, products in onednn_product.cpp.
 
-#include <omp.h>
 #include <sys/mman.h>
 
 #include <atomic>
-#include <cstring>
 #include <cstdlib>
 #include <list>
 #include <memory>
@@ -57,10 +55,10 @@
 #include <unordered_map>
 #include <utility>
 
-#include "mlx/primitives.h"
+#include "mlx/ops.h"
 
-#include "dispatch.h"
 #include "onednn_shared.h"
+#include "ops.h"  // scale_where_positive
 
 namespace kernels_onednn {
 
@@ -261,61 +259,11 @@ Weight weight_as_wanted(const std::shared_ptr<WeightCopies>& kept, const std::sh
   return kept ? kept->get(source, data, plain, wanted) : Weight{as_wanted(plain, data, wanted), nullptr};
 }
 
-// ---------------------------------------------------------------------------------------------------
-// relu_gradient (onednn_shared.h): for the VJPs of products and convolutions with a fused ReLU.
-
-namespace {
-
-float widened(float v) { return v; }
-float widened(uint16_t bits) {  // bfloat16: the high half of a float32
-  const uint32_t word = uint32_t(bits) << 16;
-  float v;
-  std::memcpy(&v, &word, sizeof v);
-  return v;
-}
-
-template <typename T>
-void masked_where_positive(const T* g, const T* y, T* out, int64_t size) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < size; ++i) out[i] = widened(y[i]) > 0.0f ? g[i] : T(0);
-}
-
-class ReluGradient : public mx::UnaryPrimitive {
- public:
-  ReluGradient(mx::Stream stream, int threads) : mx::UnaryPrimitive(stream), threads_(threads) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    auto& encoder = kernels_native::prepared_encoder(stream(), inputs, {out}, {0});
-    const bool bfloat16 = out.dtype() == mx::bfloat16;
-    encoder.dispatch([g = inputs[0].data<void>(), y = inputs[1].data<void>(), o = out.data<void>(),
-                      size = int64_t(out.size()), bfloat16, threads = threads_]() {
-      omp_set_num_threads(threads);
-      if (bfloat16) {
-        masked_where_positive(static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(y),
-                              static_cast<uint16_t*>(o), size);
-      } else {
-        masked_where_positive(static_cast<const float*>(g), static_cast<const float*>(y), static_cast<float*>(o), size);
-      }
-    });
-  }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("kernels._onednn runs on the CPU only");
-  }
-  const char* name() const override { return "KernelsOnednnReluGradient"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return threads_ == static_cast<const ReluGradient&>(other).threads_;
-  }
-
- private:
-  int threads_;
-};
-
-}  // namespace
-
+// relu_gradient (onednn_shared.h): for the VJPs of products and convolutions with a fused ReLU, the same
+// operation as a ReLU's gradient everywhere else (native/masked_scale.cpp's, compiled into this module too).
 mx::array relu_gradient(const mx::array& g, const mx::array& y, int threads) {
-  const auto stream = mx::default_stream(mx::Device::cpu);
-  auto cotangent = mx::contiguous(mx::astype(g, y.dtype(), stream), false, stream);
-  return mx::array(y.shape(), y.dtype(), std::make_shared<ReluGradient>(stream, threads),
-                   {cotangent, mx::contiguous(y, false, stream)});
+  return kernels::scale_where_positive(mx::astype(g, y.dtype(), mx::default_stream(mx::Device::cpu)), y, 1.0f,
+                                       threads);
 }
 
 std::string describe() {

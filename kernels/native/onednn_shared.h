@@ -81,7 +81,7 @@ Weight weight_as_wanted(const std::shared_ptr<WeightCopies>& kept, const std::sh
 std::atomic<size_t>& plan_capacity_value();
 
 // The gradient of a ReLU that was fused into the product making `y` (its output): `g` where y > 0, else 0, in
-// y's dtype (float32 or bfloat16), one pass on `threads` cores (MLX's where and greater: two on one).
+// y's dtype (float32 or bfloat16), one pass on `threads` cores (kernels::scale_where_positive, MLX's bits).
 mx::array relu_gradient(const mx::array& g, const mx::array& y, int threads);
 
 // A cache's plans kept now, and its lookups since the process began: found (hits) or made (misses).

@@ -1,9 +1,9 @@
-// kernels._onednn's element-wise binaries and max pooling (onednn.cpp has the story: threads, scratchpads).
+// kernels._onednn's element-wise operations (onednn.cpp has the story: threads, scratchpads): binaries, max
+// pooling and casts, each where oneDNN has a kernel for it (else None: the caller takes MLX's).
 //
-// Binaries: a + b and a * b, b of
-// a's shape or broadcast to it along dimensions of 1, float32 or bfloat16 each (computing in float32), the result
-// in a's dtype, as oneDNN's binary primitive: one pass on every core, where MLX's CPU binaries make one on one
-// thread (an R50 encoder layer's query, src + pos, (17821, 256): 1.7 ms on one core). oneDNN's own primitive
+// Binaries: a + b and a * b, b of a's shape or broadcast to it along dimensions of 1, float32 or bfloat16 each
+// (computing in float32), the result in a's dtype, as oneDNN's binary primitive: one pass on every core, where
+// MLX's CPU binaries make one on one thread (an R50 encoder layer's query, src + pos, (17821, 256): 1.7 ms on one core). oneDNN's own primitive
 // cache keeps the primitive of a shape (they are cheap to describe, and JIT-compiled once).
 
 #include <omp.h>
